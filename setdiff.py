@@ -20,8 +20,11 @@ the paper's sections.
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import re
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -86,44 +89,366 @@ class Config:
 # Tokenizer shim
 # ----------------------------------------------------------------------------------------
 
-class Tokenizer:
-    """Byte-level tokenizer: ids 0..255 are bytes, then PAD, BOS, EOS, MASK."""
+# The method does not care how text becomes ids; it needs a vocabulary with four
+# named special ids: PAD (fills rows after EOS), BOS (the first position, always
+# given), EOS (end of a sentence) and MASK (the input of a position that has not been
+# revealed yet). Two tokenizers are provided:
+#   * bytes:     UTF-8 bytes, no files needed; good for toy runs and bits per byte.
+#   * wordpiece: BERT uncased WordPiece read from a vocab.txt, the tokenizer used by
+#                the masked-diffusion LM1B baselines, so perplexities are comparable.
+# The wordpiece path re-implements HuggingFace's BertWordPieceTokenizer(lowercase=True)
+# with add_special_tokens=False in the standard library only; it gives the same ids on
+# any text (checked against the reference on every code point and on fuzzed text).
 
-    def __init__(self):
-        self.kind = "bytes"
-        self.pad_id, self.bos_id, self.eos_id, self.mask_id = 256, 257, 258, 259
-        self.vocab_size = 260
+# BERT's special tokens. The vocab must contain all five; their ids are their lines.
+_BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+# HuggingFace splits words longer than this many characters no further: they become [UNK].
+_MAX_WORD_CHARS = 100
+
+# Code point ranges that BERT treats as CJK ideographs: each one is its own word.
+# NOTE: the fifth range starts at 0x2B920 (not 0x2B820 as in Google's original BERT
+# code) because that is what the HuggingFace reference does; Extension G and later
+# are not in the list either, so those characters glue to their neighbours.
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF),
+               (0x2A700, 0x2B73F), (0x2B740, 0x2B81F), (0x2B920, 0x2CEAF),
+               (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+# Whitespace as BERT sees it: the Unicode White_Space property (Rust's char::is_whitespace).
+# Python's str.isspace() also accepts U+001C..U+001F, which BERT deletes as control characters.
+_WHITESPACE = frozenset("\t\n\r\x0b\x0c \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                        + "".join(map(chr, range(0x2000, 0x200B))))
+
+
+# The reference classifies characters with older Unicode tables, while Python's
+# unicodedata follows the Unicode version of the interpreter. For the few hundred code
+# points where the two disagree on what BERT cares about (control, non-spacing mark,
+# punctuation), we pin the category the reference effectively uses. Found by probing the
+# reference on every code point, against the Unicode databases of Python 3.8-3.13 and the
+# newest unicodedata2 package. NOTE: this only matters for exact agreement on rare scripts.
+
+
+def _code_points(ranges: str) -> frozenset:
+    """Parse "0890-0891 0A76 ..." (hex, inclusive ranges) into a set of code points."""
+    out = set()
+    for item in ranges.split():
+        lo, _, hi = item.partition("-")
+        out.update(range(int(lo, 16), int(hi or lo, 16) + 1))
+    return frozenset(out)
+
+
+# Marks and punctuation added to Unicode later: unknown to the reference, so plain letters.
+_AS_LETTER = _code_points("""
+    05C8-05C9 061D 07FD 0890-0891 0897-089F 08CA-08E2 09FD-09FE 0A76 0AFA-0AFF 0B53-0B55
+    0C04 0C3C 0C77 0C84 0D00 0D3B-0D3C 0D81 0EBA 0ECE 180F 1885-1886 1ABF-1AF0 1B4E-1B4F
+    1B7D-1B7F 1DF6-1DFB 2E43-2E4F 2E52-2E5D 2E60-2E63 A82C A8C5 A8FF A9BD 10D24-10D27
+    10D69-10D6E 10EAB-10EAD 10ECB-10ED0 10EF0-10EFF 10F46-10F50 10F55-10F59 10F82-10F89
+    11070 11073-11074 110C2 110CD 111CF 1123E 11241 1133B 113BB-113C0 113CE 113D0 113D2
+    113D4-113D5 113D7-113D8 113E1-113E2 11438-1143F 11442-11444 11446 1144B-1144F
+    1145A-1145B 1145D-1145E 11660-1166C 116B9 1182F-11837 11839-1183B 1193B-1193C 1193E
+    11943-11946 119D4-119D7 119DA-119DB 119E0 119E2 11A01-11A0A 11A33-11A38 11A3B-11A47
+    11A51-11A56 11A59-11A5B 11A8A-11A96 11A98-11A9C 11A9E-11AA2 11B00-11B09 11B60
+    11B62-11B64 11B66 11BE1 11C30-11C36 11C38-11C3D 11C3F 11C41-11C45 11C70-11C71
+    11C92-11CA7 11CAA-11CB0 11CB2-11CB3 11CB5-11CB6 11D31-11D36 11D3A 11D3C-11D3D
+    11D3F-11D45 11D47 11D90-11D91 11D95 11D97 11DF0 11EF3-11EF4 11EF7-11EF8 11F00-11F01
+    11F36-11F3A 11F40 11F42-11F4F 11F5A 11FFF 12FF1-12FF2 13430-13440 13447-13455
+    1611E-16129 1612D-1612F 16D6D-16D6F 16E97-16E9A 16F4F 16FE2 16FE4 1CF00-1CF2D
+    1CF30-1CF46 1D127-1D128 1D25B-1D25C 1E000-1E006 1E008-1E018 1E01B-1E021 1E023-1E024
+    1E026-1E02A 1E08F 1E130-1E136 1E2AE 1E2EC-1E2EF 1E4EC-1E4EF 1E5EE-1E5EF 1E5FF 1E6E3
+    1E6E6 1E6EE-1E6EF 1E6F5 1E944-1E94A 1E95E-1E95F
+""")
+_AS_PUNCTUATION = _code_points("166D 111C9")   # now a symbol and a mark, once punctuation
+_AS_MARK = _code_points("1734 1171E")           # now spacing marks (Mc), once non-spacing
+
+
+def _category(ch: str) -> str:
+    """Unicode general category of `ch` as the reference sees it (see the table above)."""
+    cp = ord(ch)
+    if cp in _AS_LETTER:
+        return "Lo"
+    if cp in _AS_PUNCTUATION:
+        return "Po"
+    if cp in _AS_MARK:
+        return "Mn"
+    return unicodedata.category(ch)
+
+
+def _clean_char(ch: str) -> str:
+    """BERT's first normalisation step for one character (clean text + CJK padding).
+
+    Control, format and private-use characters (categories Cc, Cf, Co), NUL and the
+    replacement character U+FFFD are deleted; tab/newline/CR survive as whitespace.
+    NOTE: unassigned code points (Cn) are kept, as in the reference. Lone surrogates (Cs)
+    cannot reach the reference at all; we delete them like the other C* characters.
+    """
+    if ch in "\t\n\r":
+        return " "
+    if ch in ("\x00", "\ufffd") or _category(ch) in ("Cc", "Cf", "Co", "Cs"):
+        return ""
+    if ch in _WHITESPACE:
+        return " "
+    cp = ord(ch)
+    if any(lo <= cp <= hi for lo, hi in _CJK_RANGES):
+        return f" {ch} "          # a CJK ideograph is a word on its own
+    return ch
+
+
+def _is_punctuation(ch: str) -> bool:
+    """BERT's punctuation: all non-alphanumeric printable ASCII (so $, +, <, ^, `, ~
+    count although Unicode calls them symbols) plus every Unicode P* character."""
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return _category(ch).startswith("P")
+
+
+def _finish_char(ch: str) -> str:
+    """BERT's remaining per-character steps, applied after NFD decomposition.
+
+    Accents are stripped by dropping non-spacing marks (Mn), then (in this order, as in
+    the reference) the character is lower-cased on its own and punctuation is padded
+    with spaces so that the final whitespace split isolates it.
+    NOTE: lower-casing is per character, so a word-final capital sigma becomes σ, not
+    the ς that Python's str.lower() would produce; the reference does the same.
+    """
+    if _category(ch) == "Mn":
+        return ""
+    return "".join(f" {c} " if _is_punctuation(c) else c for c in ch.lower())
+
+
+class _CharMap(dict):
+    """A str.translate table that fills itself in on first use of each character.
+
+    str.translate runs in C and looks every code point up in the table, so caching the
+    per-character rules above makes normalisation about as fast as a plain translate.
+    """
+
+    def __init__(self, rule):
+        super().__init__()
+        self.rule = rule
+
+    def __missing__(self, cp: int) -> str:
+        self[cp] = out = self.rule(chr(cp))
+        return out
+
+
+class Tokenizer:
+    """Text <-> ids with named special ids (PAD, BOS, EOS, MASK).
+
+    Build one with Tokenizer.bytes() or Tokenizer.from_vocab(path); rebuild a saved one
+    with Tokenizer.from_spec(spec). encode() adds no special tokens; decode() drops
+    PAD/MASK/BOS and turns EOS into a line break.
+    """
+
+    def __init__(self, kind: str, vocab: "list | None" = None, source: str = "vocab"):
+        """Prefer the constructors below; `source` names the vocab in error messages."""
+        self.kind = kind
+        if kind == "bytes":
+            # ids 0..255 are the byte values themselves; the specials come after them.
+            self.vocab_size = 260
+            self.pad_id, self.bos_id, self.eos_id, self.mask_id = 256, 257, 258, 259
+            self.unk_id = None                      # every byte sequence is representable
+            self._pieces = None
+        elif kind == "wordpiece":
+            self._pieces = _check_bert_vocab(vocab, source)   # id -> token string
+            self._ids = {piece: i for i, piece in enumerate(self._pieces)}
+            self.vocab_size = len(self._pieces)
+            # BERT's [CLS] starts and [SEP] ends a sentence, so they serve as BOS and EOS.
+            self.pad_id, self.bos_id = self._ids["[PAD]"], self._ids["[CLS]"]
+            self.eos_id, self.mask_id = self._ids["[SEP]"], self._ids["[MASK]"]
+            self.unk_id = self._ids["[UNK]"]
+            # Special-token strings written in the raw text are matched first, exactly and
+            # case-sensitively ("[cls]" is ordinary text); the capture group keeps them.
+            self._special_re = re.compile(
+                "(" + "|".join(re.escape(s) for s in _BERT_SPECIALS) + ")")
+            self._clean = _CharMap(_clean_char)
+            self._finish = _CharMap(_finish_char)
+            # For ASCII text NFD is the identity, so both steps fold into one table.
+            self._ascii = {cp: _clean_char(chr(cp)).translate(self._finish) for cp in range(128)}
+            self._longest = max(map(len, self._pieces))
+            # word -> tuple of ids. Natural text repeats a small set of words, so after a
+            # warm-up nearly every word is one dict lookup (memory: one entry per distinct word).
+            self._memo = {}
+        else:
+            raise ValueError(f"unknown tokenizer kind {kind!r}; use 'bytes' or 'wordpiece'")
+        # Ids that decode() leaves out: padding, not-yet-revealed positions, the start token.
+        self._silent = frozenset((self.pad_id, self.mask_id, self.bos_id))
+
+    # -- constructors ------------------------------------------------------------
 
     @classmethod
     def bytes(cls) -> "Tokenizer":
-        return cls()
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        out = bytearray()
-        for i in (int(t) for t in ids):
-            if i < 256:
-                out.append(i)
-            elif i == self.eos_id:
-                out.extend(b"\n")
-        return out.decode("utf-8", errors="replace")
-
-    def token_str(self, i: int) -> str:
-        return {256: "[PAD]", 257: "[BOS]", 258: "[EOS]", 259: "[MASK]"}.get(int(i)) or self.decode([i])
-
-    def byte_length(self, ids) -> int:
-        return len(self.decode(ids).encode("utf-8"))
-
-    def spec(self) -> dict:
-        return {"kind": "bytes"}
+        """UTF-8 byte tokenizer: ids 0..255 are bytes, PAD=256, BOS=257, EOS=258, MASK=259."""
+        return cls("bytes")
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "Tokenizer":
-        if spec.get("kind") != "bytes":
-            raise ValueError(f"unknown tokenizer spec {spec.get('kind')!r}")
-        return cls()
+    def from_vocab(cls, path) -> "Tokenizer":
+        """BERT uncased WordPiece from a vocab.txt (one token per line, id = line number,
+        30,522 lines for bert-base-uncased). Raises ValueError if it is not such a file."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            problem = "is not a file" if os.path.exists(path) else "does not exist"
+            raise ValueError(f"vocab file {path!r} {problem}; pass the vocab.txt of a BERT "
+                             f"uncased model (bert-base-uncased's has 30,522 lines)")
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"vocab file {path!r} is not UTF-8 text (bad byte at offset "
+                             f"{e.start}); pass a BERT vocab.txt, one token per line") from None
+        # NOTE: split on "\n" only; str.splitlines() would also break at characters such
+        # as U+2028 or U+0085 that may be (part of) tokens. A final newline is optional.
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        vocab = [line[:-1] if line.endswith("\r") else line for line in lines]
+        return cls("wordpiece", vocab, source=f"vocab file {path!r}")
+
+    @classmethod
+    def from_spec(cls, spec) -> "Tokenizer":
+        """Rebuild a tokenizer from the dict returned by spec() (as stored in checkpoints)."""
+        if not isinstance(spec, dict) or spec.get("kind") not in ("bytes", "wordpiece"):
+            raise ValueError(f"not a tokenizer spec: {str(spec)[:80]!r}; expected a dict with "
+                             f"kind 'bytes' or 'wordpiece' as written by Tokenizer.spec()")
+        if spec["kind"] == "bytes":
+            return cls("bytes")
+        return cls("wordpiece", spec.get("vocab"), source="tokenizer spec")
+
+    def spec(self) -> dict:
+        """A JSON-serialisable description that from_spec() turns back into this tokenizer.
+        The wordpiece spec carries the whole vocab, so a checkpoint needs no vocab file."""
+        if self.kind == "bytes":
+            return {"kind": "bytes"}
+        return {"kind": "wordpiece", "vocab": list(self._pieces)}
+
+    # -- text -> ids -------------------------------------------------------------
+
+    def encode(self, text: str) -> list:
+        """Ids of `text`, with no BOS/EOS added."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        if self.kind == "bytes":
+            return list(text.encode("utf-8"))
+        ids = []
+        # Odd-numbered pieces of the split are special-token strings found in the text.
+        for k, chunk in enumerate(self._special_re.split(text) if "[" in text else (text,)):
+            if k % 2:
+                ids.append(self._ids[chunk])
+            else:
+                for word in self._words(chunk):
+                    piece_ids = self._memo.get(word)
+                    if piece_ids is None:
+                        piece_ids = self._memo[word] = self._wordpiece(word)
+                    ids += piece_ids
+        return ids
+
+    def _words(self, text: str) -> list:
+        """BERT normalisation and pre-tokenisation: the words WordPiece will split.
+
+        Order as in the reference: clean text and pad CJK ideographs, strip accents
+        (NFD, drop Mn), lower-case, then split at whitespace and isolate punctuation.
+        """
+        if text.isascii():
+            return text.translate(self._ascii).split()
+        text = unicodedata.normalize("NFD", text.translate(self._clean))
+        return text.translate(self._finish).split()
+
+    def _wordpiece(self, word: str) -> tuple:
+        """Greedy longest-match-first WordPiece (BERT): take the longest vocab entry that
+        prefixes the rest of the word; pieces after the first carry the "##" mark. If any
+        position has no match, the whole word is a single [UNK]."""
+        if len(word) > _MAX_WORD_CHARS:
+            return (self.unk_id,)
+        ids, start = [], 0
+        while start < len(word):
+            # No vocab entry is longer than self._longest characters, so start there.
+            for end in range(min(len(word), start + self._longest), start, -1):
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self._ids:
+                    ids.append(self._ids[piece])
+                    start = end
+                    break
+            else:
+                return (self.unk_id,)
+        return tuple(ids)
+
+    # -- ids -> text -------------------------------------------------------------
+
+    def decode(self, ids) -> str:
+        """Text of `ids` (a list, or a tensor/array with .tolist()). PAD, MASK and BOS are
+        dropped, EOS becomes a line break. WordPiece pieces are joined by spaces, except
+        that a "##" piece continues the previous one."""
+        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)   # may be a generator
+        for i in ids:
+            self._check_id(i)
+        if self.kind == "bytes":
+            data = bytes(10 if i == self.eos_id else i for i in ids if i not in self._silent)
+            return data.decode("utf-8", errors="replace")
+        parts, line_start = [], True
+        for i in ids:
+            if i in self._silent:
+                continue
+            if i == self.eos_id:
+                parts.append("\n")
+                line_start = True
+                continue
+            piece = self._pieces[i]
+            if piece.startswith("##"):
+                parts.append(piece[2:])             # glue to the previous piece
+            else:
+                parts.append(piece if line_start else " " + piece)
+            line_start = False
+        return "".join(parts)
+
+    def token_str(self, i: int) -> str:
+        """Printable text of one id, for pictures of the generation order."""
+        self._check_id(i)
+        if self.kind == "wordpiece":
+            return self._pieces[i]
+        names = {self.pad_id: "[PAD]", self.bos_id: "[BOS]", self.eos_id: "[EOS]",
+                 self.mask_id: "[MASK]"}
+        if i in names:
+            return names[i]
+        return chr(i) if 32 <= i < 127 else f"<0x{i:02X}>"
+
+    def byte_length(self, ids) -> int:
+        """UTF-8 bytes of the text the ids stand for: the denominator of bits per byte."""
+        return len(self.decode(ids).encode("utf-8"))
+
+    def _check_id(self, i) -> None:
+        # Negative ids would silently index from the end of the vocab: refuse them.
+        if not (isinstance(i, numbers.Integral) and 0 <= i < self.vocab_size):
+            raise ValueError(f"token id {i!r} is outside this tokenizer's vocab "
+                             f"(0..{self.vocab_size - 1})")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def _check_bert_vocab(vocab, source: str) -> list:
+    """Return `vocab` as a list of token strings if it is a usable BERT vocab, else raise
+    one ValueError naming the problem and what to do about it."""
+    hint = "pass the vocab.txt of a BERT uncased model (e.g. bert-base-uncased)"
+    if not isinstance(vocab, (list, tuple)) or not all(isinstance(t, str) for t in vocab):
+        raise ValueError(f"{source} has no vocab list of strings; {hint}")
+    if not vocab:
+        raise ValueError(f"{source} is empty; {hint}")
+    first_line = {}
+    for line, token in enumerate(vocab):
+        if token == "" or token.isspace():
+            raise ValueError(f"{source} has a blank token on line {line + 1}; a BERT vocab "
+                             f"has exactly one token on every line, remove blank lines")
+        if token in first_line:
+            raise ValueError(f"{source} lists {token!r} twice (lines {first_line[token] + 1} "
+                             f"and {line + 1}); a token's line number is its id, so every "
+                             f"token must appear exactly once")
+        first_line[token] = line
+    missing = [s for s in _BERT_SPECIALS if s not in first_line]
+    if missing:
+        raise ValueError(f"{source} lacks the special token(s) {', '.join(missing)}, so it is "
+                         f"not a BERT vocab; {hint}")
+    return list(vocab)
 
 
 # ----------------------------------------------------------------------------------------
@@ -157,8 +482,8 @@ def set_causal_mask(L: int, device=None) -> torch.Tensor:
 def no_empty_rows(mask: torch.Tensor) -> torch.Tensor:
     """Let a query row that may attend nothing attend everything instead.
 
-    A fully masked row (a padding query, an unused batch slot) would make softmax return
-    NaN, which then leaks through the matmul into nothing but still poisons gradients.
+    A fully masked row (a padding query, an unused batch slot) gives softmax over nothing:
+    NaN on some attention backends and torch versions (torch 2.13's CPU kernels return 0).
     Such rows' outputs are never used, so any finite value will do."""
     return mask | ~mask.any(dim=-1, keepdim=True)
 
@@ -559,7 +884,8 @@ def draw_candidates(logits, temperature: float, top_p: float, generator=None):
     (temperature-scaled, top-p truncated and renormalised; greedy uses the plain softmax).
     Sampling inverts the CDF with uniforms from a CPU generator, so results do not depend
     on the device's RNG. logits (B, n, V) -> (cand, conf) each (B, n)."""
-    logits = logits.float()
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()                               # float64 stays float64 (exactness tests)
     if temperature == 0:
         probs = F.softmax(logits, -1)
         cand = probs.argmax(-1)
@@ -741,7 +1067,11 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
                 logits, q_idx, q_valid = predict_cache_free(model, xs, step_of, active, T)
             cand, conf = draw_candidates(logits, temperature, top_p, generator)   # (B, m)
             reveal = commit_rule(conf, q_valid, threshold)                       # (B, m)
+            masks_before = (xs[:, :T] == cfg.mask_id).sum(1)
             xs.scatter_(1, q_idx, torch.where(reveal, cand, xs.gather(1, q_idx)))
+            if torch.any(((xs[:, :T] == cfg.mask_id).sum(1) >= masks_before) & q_valid.any(1)):
+                # Cannot happen with a correct commit rule (SPEC §7.5); better than an endless loop.
+                raise RuntimeError("a step revealed no token in a row that had queries")
             step_of.scatter_(1, q_idx, torch.where(reveal, nfe, step_of.gather(1, q_idx)))
             pending = torch.zeros_like(xs, dtype=torch.bool).scatter_(1, q_idx, reveal)[:, :T]
             steps += ~done

@@ -1,0 +1,844 @@
+"""Tests for setdiff: every invariant of SPEC.md checked against an independent computation
+(a brute-force loop, a closed form, or the cache-free path). CPU, fp32 unless stated."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import setdiff
+from setdiff import (Config, SetDiffusionLM, StaggeredSchedule, Tokenizer, elbo, generate,
+                     load_checkpoint, max_window, sample_order, save_checkpoint, set_causal_mask)
+
+BYTES = Tokenizer.bytes()
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=BYTES.vocab_size, seq_len=24, n_layer=2, n_head=2, d_model=32, dropout=0.0,
+                order="staggered", set_size=3, pad_id=BYTES.pad_id, bos_id=BYTES.bos_id,
+                eos_id=BYTES.eos_id, mask_id=BYTES.mask_id)
+    base.update(kw)
+    return Config(**base)
+
+
+def tiny_model(seed=0, dtype=torch.float32, **kw):
+    """A small random model whose head is NOT zero, so predictions depend on the input."""
+    torch.manual_seed(seed)
+    model = SetDiffusionLM(tiny_cfg(**kw))
+    torch.nn.init.normal_(model.head.weight, std=1.0)
+    return model.to(dtype).eval()
+
+
+def random_rows(cfg, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, cfg.seq_len), generator=g)
+    x[:, 0] = cfg.bos_id
+    return x
+
+
+def decode_order_from_steps(reveal_step):
+    """Full decode order from reveal steps: by (step, position); given tokens have step -1."""
+    T = reveal_step.shape[1]
+    key = reveal_step * (T + 1) + torch.arange(T)
+    return torch.argsort(key, dim=1, stable=True)
+
+
+# ---------------------------------------------------------------------------- masks (SPEC §3)
+
+SPEC_L4 = """
+1 0 0 0 0 0 0 0
+1 1 0 0 0 0 0 0
+1 1 1 0 0 0 0 0
+1 1 1 1 0 0 0 0
+0 0 0 0 1 0 0 0
+1 0 0 0 0 1 0 0
+1 1 0 0 0 0 1 0
+1 1 1 0 0 0 0 1
+"""
+
+
+def test_mask_equals_spec_worked_example():
+    expected = torch.tensor([[int(v) for v in row.split()] for row in SPEC_L4.strip().splitlines()]).bool()
+    assert torch.equal(set_causal_mask(4), expected)
+    assert "m3 [ 1  1  1  0 |  0  0  0  1 ]" in setdiff.show_mask(set_causal_mask(4))
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 5, 8, 13])
+def test_mask_equals_brute_force_definition(L):
+    mask = set_causal_mask(L)
+    for q in range(2 * L):
+        for k in range(2 * L):
+            qc, kc, i, j = q < L, k < L, q % L, k % L
+            if qc and kc:
+                want = j <= i          # clean sees earlier-or-same clean
+            elif qc:
+                want = False           # clean never sees the mask stream
+            elif kc:
+                want = j < i           # mask sees strictly earlier clean
+            else:
+                want = i == j          # mask sees only itself
+            assert bool(mask[q, k]) == want, (L, q, k)
+
+
+def test_ar_order_is_next_token_prediction():
+    """With the identity order, mask slot i sees exactly clean positions 0..i-1."""
+    L = 7
+    mask = set_causal_mask(L)
+    assert torch.equal(mask[L:, :L], torch.ones(L, L).tril(-1).bool())
+    cfg = tiny_cfg(order="ar")
+    order = sample_order(cfg, 3)
+    assert torch.equal(order, torch.arange(cfg.seq_len).expand(3, -1))
+
+
+# ---------------------------------------------------------------------------- schedule (SPEC §2)
+
+@pytest.mark.parametrize("d,b,k", [(4, 0.059259, 0.358090), (8, 0.111888, 0.387534), (16, 0.201258, 0.450425)])
+def test_schedule_constants_match_spec(d, b, k):
+    s = StaggeredSchedule(128, d)
+    assert s.s == 2 * d
+    assert round(s.b, 6) == b and round(s.k, 6) == k
+    assert math.isclose(s.b * s.k / (s.k + 1), d / 256, rel_tol=1e-12)
+    # closed forms, written out independently
+    assert math.isclose(s.b, 2 * d / (128 + 2 * d - 1))
+    assert math.isclose(s.reach, 2 * d) and s.window == 2 * d       # r = s exactly
+    assert math.isclose(s.loc[0].item(), 1 - s.b) and s.loc[-1].item() == 0.0
+
+
+def test_schedule_special_cases():
+    s = StaggeredSchedule(128, 4, 4)                        # d == s: k = 1, b = d / L
+    assert s.k == 1 and math.isclose(s.b, 4 / 128)
+    assert math.isclose(s.reach, 4 * 127 / 124) and s.window == 5
+    u = StaggeredSchedule(10, 10, 10)                       # uniform: b = 1, every loc 0
+    assert u.b == 1 and torch.all(u.loc == 0) and u.window == 10
+    with pytest.raises(ValueError, match="set_size"):
+        StaggeredSchedule(8, 9)
+    with pytest.raises(ValueError):
+        StaggeredSchedule(8, 4, 3)
+
+
+@pytest.mark.parametrize("L,d,s", [(16, 3, 6), (16, 4, 4), (12, 2, 7), (9, 1, None)])
+def test_mask_prob_closed_form_and_first_hitting_times(L, d, s):
+    sched = StaggeredSchedule(L, d, s)
+    t = torch.linspace(0, 1, 41, dtype=torch.float64)
+    m = sched.mask_prob(t)
+    # closed form, scalar by scalar
+    for a in range(0, 41, 4):
+        for i in range(L):
+            u = (t[a].item() - sched.loc[i].item()) / sched.b
+            want = 0.0 if u <= 0 else 1.0 if u >= 1 else 1 - (1 - u) ** sched.k
+            if d == 1 and want > 0:
+                want = 1.0
+            assert abs(m[a, i].item() - want) < 1e-12
+    # P(T_i <= t) = m_i(t): empirical CDF of the first hitting times
+    N = 20000
+    T = sched.first_hitting_times(N, torch.Generator().manual_seed(1))
+    emp = (T[None, :, :] <= t[:, None, None]).double().mean(1)       # (41, L)
+    if d == 1:
+        return          # a hard step: m is an indicator, T is continuous; checked by the order test
+    tol = 5 * torch.sqrt(m * (1 - m) / N) + 2e-3
+    assert torch.all((emp - m).abs() <= tol)
+
+
+@pytest.mark.parametrize("d,s", [(4, 8), (3, 5), (4, 4), (6, 6)])
+def test_reach_bounds_revealed_tokens(d, s):
+    """Replay sampled orders: every revealed token stays within ceil(r) of the leftmost
+    unrevealed position (SPEC §2, including the d = s case)."""
+    L = 40
+    sched = StaggeredSchedule(L, d, s)
+    r = sched.b * (L - 1) / (1 - sched.b)
+    limit = math.ceil(r - 1e-9)
+    orders = torch.argsort(-sched.first_hitting_times(400, torch.Generator().manual_seed(2)), 1)
+    worst = 0
+    for order in orders.tolist():
+        revealed = [False] * L
+        f = 0
+        for p in order:
+            revealed[p] = True
+            while f < L and revealed[f]:
+                f += 1
+            if f < L:
+                far = max(i for i in range(L) if revealed[i]) if any(revealed) else -1
+                worst = max(worst, far - f)
+                assert far - f < limit, (order, p)
+    assert worst >= d - 1            # the policy really does reach ahead (not the identity)
+
+
+def test_d1_gives_identity_and_uniform_gives_uniform_orders():
+    T = StaggeredSchedule(32, 1).first_hitting_times(500, torch.Generator().manual_seed(3))
+    assert torch.equal(torch.argsort(-T, 1), torch.arange(32).expand(500, -1))
+    cfg = tiny_cfg(seq_len=6, order="uniform", set_size=6)
+    N = 12000
+    order = sample_order(cfg, N, torch.Generator().manual_seed(4))
+    assert torch.all(order[:, 0] == 0)                       # BOS pinned first
+    counts = torch.zeros(6, 6)
+    for slot in range(1, 6):
+        counts[slot] = torch.bincount(order[:, slot], minlength=6).float()
+    freq = counts[1:, 1:] / N                                # positions 1..5 at slots 1..5
+    assert torch.all((freq - 0.2).abs() < 5 * math.sqrt(0.2 * 0.8 / N))
+
+
+def test_block_order_and_pinning():
+    cfg = tiny_cfg(seq_len=12, order="block", set_size=4)
+    pad = torch.zeros(200, 12, dtype=torch.bool)
+    pad[:, 10:] = True
+    order = sample_order(cfg, 200, torch.Generator().manual_seed(5), prefix_len=2, pad_mask=pad)
+    for row in order.tolist():
+        assert row[:2] == [0, 1]                             # BOS + prefix, in order
+        assert row[-2:] == [10, 11]                          # padding last, in order
+        assert sorted(row) == list(range(12))
+        blocks = [p // 4 for p in row[2:10]]
+        assert blocks == sorted(blocks)                      # blocks left to right
+    firsts = {tuple(r[2:4]) for r in order.tolist()}         # randomness inside block 0
+    assert len(firsts) > 1
+    with pytest.raises(ValueError, match="unknown order policy"):
+        tiny_cfg(order="random")
+    with pytest.raises(ValueError, match="set_size"):
+        tiny_cfg(set_size=25)
+
+
+# ---------------------------------------------------------------------------- training forward and loss
+
+def test_training_forward_is_set_causal():
+    """logits[i] depends on the tokens before i in the order, and on nothing else (x[i] included)."""
+    model = tiny_model()
+    cfg = model.cfg
+    x = random_rows(cfg, 1)
+    order = sample_order(cfg, 1, torch.Generator().manual_seed(6))
+    base = model(x, order)
+    slot_of = torch.argsort(order[0])
+    for i in range(1, cfg.seq_len):
+        for j in range(cfg.seq_len):
+            if j == 0:
+                continue                                         # keep BOS
+            y = x.clone()
+            y[0, j] = (y[0, j] + 1) % 256
+            changed = not torch.allclose(model(y, order)[0, i], base[0, i], atol=1e-6)
+            assert changed == bool(slot_of[j] < slot_of[i]), (i, j)
+
+
+def test_training_forward_equals_one_query_at_a_time():
+    """Independent path for every slot r: feed only x[sigma_<r] (causal among themselves) and
+    ONE mask query at position sigma_r; its logit must equal the two-stream forward's."""
+    model = tiny_model()
+    cfg = model.cfg
+    x = random_rows(cfg, 1, seed=5)
+    order = sample_order(cfg, 1, torch.Generator().manual_seed(13))
+    full = model(x, order)[0]                                        # (L, V) position order
+    for r in range(cfg.seq_len):
+        prefix = order[0, :r]
+        tokens = torch.cat([x[0, prefix], torch.tensor([cfg.mask_id])])[None]
+        positions = torch.cat([prefix, order[0, r:r + 1]])[None]
+        attn = torch.ones(r + 1, r + 1).tril().bool()                # query row sees all + itself
+        z = model.logits(model.run(tokens, positions, attn[None]))[0, -1]
+        assert torch.allclose(z, full[order[0, r]], atol=1e-5), r
+
+
+def test_no_empty_rows_and_padded_gradients_are_finite():
+    m = torch.tensor([[True, False], [False, False]])
+    assert torch.equal(setdiff.no_empty_rows(m), torch.tensor([[True, False], [True, True]]))
+    model = tiny_model()
+    x = random_rows(model.cfg, 2)
+    x[1, 4:] = model.cfg.pad_id
+    model.train()
+    model.loss(x, generator=torch.Generator().manual_seed(0)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_mask_token_gets_zero_probability():
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight[model.cfg.mask_id] = 50.0             # push hard towards MASK
+    x = random_rows(model.cfg, 2)
+    p = F.softmax(model(x, sample_order(model.cfg, 2)), -1)
+    assert torch.all(p[..., model.cfg.mask_id] == 0)
+    out = generate(model, batch_size=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert not (out.tokens == model.cfg.mask_id).any()
+
+
+def test_loss_equals_hand_computation_with_padding():
+    model = tiny_model()
+    cfg = model.cfg
+    x = random_rows(cfg, 3)
+    x[1, 15:] = cfg.pad_id
+    x[2, 5:] = cfg.pad_id
+    pad = x == cfg.pad_id
+    order = sample_order(cfg, 3, torch.Generator().manual_seed(7), pad_mask=pad)
+    logp = torch.log_softmax(model(x, order).double(), -1)
+    want = 0.0
+    for b in range(3):
+        terms = [-logp[b, i, x[b, i]].item() for i in range(cfg.seq_len) if x[b, i] != cfg.pad_id]
+        want += sum(terms) / len(terms)                           # BOS slot is scored in training
+    want /= 3
+    assert math.isfinite(want)
+    assert abs(model.loss(x, order).item() - want) < 1e-4
+    # a padded row predicts its real positions exactly as the same row without padding
+    assert sorted(order[2, :5].tolist()) == list(range(5))                # padding sorted last
+    short = model(x[2:3, :5], order[2:3, :5])
+    assert torch.allclose(model(x, order)[2, :5], short[0], atol=1e-5)
+
+
+def test_elbo_ar_equals_left_to_right_sum():
+    model = tiny_model(order="ar")
+    cfg = model.cfg
+    x = random_rows(cfg, 5)
+    x[4, 20:] = cfg.pad_id
+    res = elbo(model, x, num_orders=3, batch_size=2)
+    identity = torch.arange(cfg.seq_len).expand(5, -1)
+    logp = torch.log_softmax(model(x, identity).double(), -1)
+    per_seq, counts = [], []
+    for b in range(5):
+        terms = [-logp[b, i, x[b, i]].item() for i in range(1, cfg.seq_len) if x[b, i] != cfg.pad_id]
+        per_seq.append(sum(terms))
+        counts.append(len(terms))
+    assert res.tokens == sum(counts) and res.num_orders == 3 and res.num_seqs == 5
+    assert abs(res.nll - sum(per_seq)) < 1e-3
+    assert abs(res.ppl - math.exp(sum(per_seq) / sum(counts))) < 1e-3 * res.ppl
+    rates = torch.tensor(per_seq) / torch.tensor(counts, dtype=torch.float64)
+    assert abs(res.se - rates.std().item() / math.sqrt(5)) < 1e-6
+
+
+def test_tiny_model_overfits_short_text():
+    text = "set diffusion decodes text in flexible sets of positions. " * 4
+    cfg = tiny_cfg(seq_len=32, d_model=64, n_layer=2, n_head=4, set_size=4)
+    ids = BYTES.encode(text)
+    rows = torch.tensor([[cfg.bos_id] + ids[i:i + 31] for i in range(0, 64, 8)])
+    torch.manual_seed(0)
+    model = SetDiffusionLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    first = model.loss(rows, generator=g).item()
+    assert abs(first - math.log(cfg.vocab_size - 1)) < 1e-3       # zero head: uniform over non-MASK
+    for _ in range(150):
+        loss = model.loss(rows, generator=g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * math.log(cfg.vocab_size)
+
+
+# ---------------------------------------------------------------------------- sampler (SPEC §5)
+
+SAMPLER_CASES = [
+    dict(order="staggered", window=3, threshold=float("inf")),
+    dict(order="staggered", window=6, threshold=0.05),
+    dict(order="block", window=3, threshold=0.1),
+    dict(order="uniform", window=24, threshold=0.2, set_size=24),
+    dict(order="ar", window=1, threshold=float("inf")),
+]
+
+
+@pytest.mark.parametrize("case", SAMPLER_CASES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_equals_cache_free(case, temperature):
+    """Sampled decoding is compared in float64 (SPEC §5: float32 rounding may flip a draw)."""
+    case = dict(case)
+    window, threshold = case.pop("window"), case.pop("threshold")
+    dtype = torch.float64 if temperature else torch.float32
+    model = tiny_model(dtype=dtype, **case)
+    kw = dict(batch_size=3, window=window, threshold=threshold, temperature=temperature, top_p=0.9)
+    a = generate(model, generator=torch.Generator().manual_seed(8), **kw)
+    b = generate(model, generator=torch.Generator().manual_seed(8), use_cache=False, **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+    assert a.nfe == b.nfe == int(a.steps.max())
+    # a prompt and an infill canvas as well
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    a = generate(model, prompt=prompt, generator=torch.Generator().manual_seed(9), **kw)
+    b = generate(model, prompt=prompt, generator=torch.Generator().manual_seed(9), use_cache=False, **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+
+
+def test_cached_logits_equal_cache_free_logits_step_by_step():
+    """The two prediction paths give the same logits on the same state (float64)."""
+    model = tiny_model(dtype=torch.float64)
+    cfg = model.cfg
+    T = cfg.seq_len
+    out = generate(model, batch_size=2, window=3, threshold=0.3, temperature=0.0)
+    cache = setdiff.KVCache(cfg, 2, T, max_call=T + 3, device="cpu")
+    steps = out.reveal_step
+    xs = torch.cat([out.tokens, torch.full((2, 1), cfg.pad_id)], 1)
+    for n in range(out.nfe):
+        # state before step n: revealed = steps < n; tokens revealed at step n-1 are pending
+        state_steps = torch.where(steps < n, steps, -3)
+        canvas = xs.clone()
+        canvas[:, :T] = torch.where(steps < n, out.tokens, cfg.mask_id)
+        masked = canvas[:, :T] == cfg.mask_id
+        active = setdiff.window_queries(masked, 3, None)
+        pending = (steps == n - 1) if n else (steps == -1)
+        z1, q1, v1 = setdiff.predict_cached(model, canvas, pending, active, cache, T)
+        step_col = torch.cat([state_steps, torch.full((2, 1), -3)], 1)
+        z2, q2, v2 = setdiff.predict_cache_free(model, canvas, step_col, active, T)
+        assert torch.equal(q1, q2) and torch.equal(v1, v2)
+        assert torch.allclose(z1[v1], z2[v2], atol=1e-10)
+
+
+@pytest.mark.parametrize("order,window,set_size", [("staggered", 4, 3), ("block", 3, 3), ("uniform", 5, 24)])
+def test_one_token_per_step_matches_training_forward(order, window, set_size):
+    """Feed the generated sequence and its reveal order through model(x, order): the greedy
+    choice at every generated position is the training forward's argmax there."""
+    model = tiny_model(order=order, set_size=set_size)
+    out = generate(model, batch_size=2, window=window, temperature=0.0, prompt=torch.tensor([65, 66]))
+    assert torch.all(out.steps == out.new_tokens)                     # one token per step
+    order_ = decode_order_from_steps(out.reveal_step)
+    greedy = model(out.tokens, order_).argmax(-1)
+    gen = out.reveal_step >= 0
+    assert torch.equal(greedy[gen], out.tokens[gen])
+
+
+def test_top_p_truncates_and_confidence_is_the_drawn_probability():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = p.log().expand(1, 20000, 4)
+    g = torch.Generator().manual_seed(0)
+    cand, conf = setdiff.draw_candidates(logits, 1.0, 0.7, g)          # keeps {0, 1}: 0.5 < 0.7 <= 0.8
+    freq = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
+    assert freq[2] == freq[3] == 0 and abs(freq[0] - 0.625) < 0.02
+    assert torch.allclose(conf, torch.where(cand == 0, 0.625, 0.375).double())
+    cand, conf = setdiff.draw_candidates(logits, 1.0, 0.5, g)          # mass 0.5 reached by token 0 alone
+    assert torch.all(cand == 0) and torch.all(conf == 1)
+    cand, conf = setdiff.draw_candidates(logits, 0.0, 1.0, g)          # greedy: plain softmax prob
+    assert torch.all(cand == 0) and torch.allclose(conf, torch.full_like(conf, 0.5))
+    cand, _ = setdiff.draw_candidates(logits, 2.0, 1.0, g)             # temperature flattens
+    freq = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
+    want = p.sqrt() / p.sqrt().sum()
+    assert torch.allclose(freq, want, atol=0.02)
+
+
+def test_block_windows_never_cross_block_boundaries():
+    model = tiny_model(order="block", set_size=4)
+    out = generate(model, batch_size=3, window=4, threshold=0.05, temperature=1.0,
+                   generator=torch.Generator().manual_seed(14))
+    for row in out.reveal_step.tolist():
+        for blk in range(1, 6):
+            here, nxt = row[4 * blk:4 * blk + 4], row[4 * blk + 4:4 * blk + 8]
+            if nxt:
+                assert max(here) < min(nxt)          # block j done before block j+1 starts
+    a = generate(model, window=4, threshold=0.0, temperature=0.0)  # whole block per step
+    assert a.nfe == 24 // 4                                       # one step per block (BOS + 3 in block 0)
+
+
+def test_prompt_and_infill_context_never_change():
+    model = tiny_model()
+    cfg = model.cfg
+    prompt = torch.tensor([72, 101, 108, 108, 111])
+    out = generate(model, prompt=prompt, batch_size=2, temperature=1.0, threshold=0.1,
+                   generator=torch.Generator().manual_seed(10))
+    assert torch.all(out.tokens[:, 0] == cfg.bos_id) and torch.all(out.tokens[:, 1:6] == prompt)
+    assert torch.all(out.reveal_step[:, :6] == -1) and out.tokens.shape[1] == cfg.seq_len
+    canvas = random_rows(cfg, 2, seed=3)
+    holes = torch.zeros_like(canvas, dtype=torch.bool)
+    holes[0, 3:9] = holes[0, 15:17] = holes[1, 10:22] = True
+    infill = torch.where(holes, cfg.mask_id, canvas)
+    out = generate(model, infill=infill, window=6, temperature=1.0, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(out.tokens[~holes], canvas[~holes])
+    assert torch.all(out.reveal_step[~holes] == -1) and torch.all(out.reveal_step[holes] >= 0)
+    assert not (out.tokens == cfg.mask_id).any()
+
+
+def test_batched_equals_row_by_row():
+    model = tiny_model()
+    cfg = model.cfg
+    canvas = random_rows(cfg, 3, seed=4)
+    holes = torch.zeros_like(canvas, dtype=torch.bool)
+    holes[0, 2:20] = holes[1, 12:14] = holes[2, 5:24] = True             # rows finish at different steps
+    infill = torch.where(holes, cfg.mask_id, canvas)
+    kw = dict(window=5, threshold=0.3, temperature=0.0)
+    batched = generate(model, infill=infill, **kw)
+    for b in range(3):
+        single = generate(model, infill=infill[b:b + 1], **kw)
+        assert torch.equal(single.tokens[0], batched.tokens[b])
+        assert torch.equal(single.reveal_step[0], batched.reveal_step[b])
+        assert single.nfe == batched.steps[b]
+    assert batched.nfe == int(batched.steps.max())
+
+
+def test_threshold_controls_tokens_per_step():
+    model = tiny_model()
+    one = generate(model, batch_size=2, window=3, threshold=1.5, temperature=0.0)
+    assert torch.all(one.steps == one.new_tokens) and one.nfe == model.cfg.seq_len - 1
+    all_of_window = generate(model, batch_size=2, window=3, threshold=0.0, temperature=0.0)
+    assert all_of_window.nfe == math.ceil((model.cfg.seq_len - 1) / 3)   # whole window every step
+    some = generate(model, batch_size=2, window=3, threshold=0.2, temperature=0.0)
+    assert all_of_window.nfe <= some.nfe <= one.nfe
+    counts = torch.bincount(some.reveal_step[some.reveal_step >= 0])
+    assert torch.all(counts >= 1)                                         # never zero per step
+
+
+def eos_model():
+    """Every query predicts EOS with probability ~1, equally at every position."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.zero_()
+        model.ln_f.bias[0] = 1.0
+        model.head.weight.zero_()
+        model.head.weight[model.cfg.eos_id, 0] = 30.0
+    return model
+
+
+def test_stop_at_eos_pads_the_rest():
+    model = eos_model()
+    cfg = model.cfg
+    out = generate(model, prompt=torch.tensor([cfg.eos_id, 70, 71]), temperature=0.0, stop_at_eos=True)
+    # the EOS in the prompt does not stop; the first generated one (leftmost, at position 4) does
+    assert out.tokens[0, 4] == cfg.eos_id and out.nfe == 1
+    assert torch.all(out.tokens[0, 5:] == cfg.pad_id) and torch.all(out.reveal_step[0, 5:] == -2)
+    full = generate(model, prompt=torch.tensor([70]), temperature=0.0)
+    assert not (full.tokens == cfg.pad_id).any() and full.nfe == cfg.seq_len - 2
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_round_trip_and_corrupt_files(tmp_path):
+    model = tiny_model()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model, BYTES, step=7)
+    loaded, tok, ckpt = load_checkpoint(path)
+    assert ckpt["step"] == 7 and tok.spec() == BYTES.spec() and loaded.cfg == model.cfg
+    x = random_rows(model.cfg, 2)
+    order = sample_order(model.cfg, 2, torch.Generator().manual_seed(12))
+    assert torch.equal(loaded.eval()(x, order), model(x, order))
+    assert list(tmp_path.iterdir()) == [path]                        # no temp files left behind
+    data = path.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_checkpoint(tmp_path / "cut.pt")
+    (tmp_path / "junk.pt").write_bytes(b"hello")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a setdiff checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    model = tiny_model()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model, BYTES, step=1)
+    before = path.read_bytes()
+
+    def full_disk(obj, f, *a, **k):
+        open(f, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError):
+        save_checkpoint(path, model, BYTES, step=2)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window=0), "window must be in"),
+    (dict(window=7), "window must be in"),
+    (dict(prompt=torch.arange(30)), "leaves no room"),
+    (dict(prompt=torch.arange(10), max_new_tokens=20), "max_new_tokens"),
+    (dict(infill=torch.arange(10)), "MASK"),
+    (dict(prompt=torch.tensor([1, 2]), infill=torch.tensor([259])), "not both"),
+    (dict(prompt=torch.tensor([1, 999])), "token ids"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_generate_rejects_bad_input(kwargs, match):
+    model = tiny_model()                     # staggered d=3, s=6: largest window 6
+    with pytest.raises(ValueError, match=match):
+        generate(model, **kwargs)
+
+
+def test_max_window_per_policy():
+    assert max_window(tiny_cfg(order="ar")) == 1
+    assert max_window(tiny_cfg(order="uniform")) == 24
+    assert max_window(tiny_cfg(order="block", set_size=4)) == 4
+    assert max_window(tiny_cfg(order="staggered", set_size=4)) == 8
+    assert max_window(tiny_cfg(order="staggered", set_size=4, max_set_size=4)) == math.ceil(4 * 23 / 20)
+
+
+# ---------------------------------------------------------------------------- tokenizer shim
+# id: token. Chosen so that each rule of BERT's pipeline changes the answer.
+TINY_VOCAB = [
+    "[PAD]",   # 0
+    "[UNK]",   # 1
+    "[CLS]",   # 2
+    "[SEP]",   # 3
+    "[MASK]",  # 4
+    "the",     # 5
+    "cafe",    # 6
+    "un",      # 7
+    "##aff",   # 8
+    "##able",  # 9
+    "##a",     # 10
+    "##ff",    # 11
+    ",",       # 12
+    ".",       # 13
+    "!",       # 14
+    "'",       # 15
+    "s",       # 16
+    "hello",   # 17
+    "world",   # 18
+    "日",      # 19
+    "本",      # 20
+    "##s",     # 21
+    "$",       # 22
+    "5",       # 23
+    "naive",   # 24
+    "a",       # 25
+    "##b",     # 26
+    "##bb",    # 27
+    "-",       # 28
+    "resume",  # 29
+    "play",    # 30
+    "##ing",   # 31
+    "##in",    # 32
+    "##g",     # 33
+    "x",       # 34
+    "##y",     # 35
+    "y",       # 36
+    "[",       # 37
+    "]",       # 38
+    "σ",       # 39
+    "##σ",     # 40
+]
+
+
+def write_vocab(tmp_path, lines, name="vocab.txt"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return Tokenizer.from_vocab(write_vocab(tmp_path, TINY_VOCAB))
+
+
+# ---- bytes ---------------------------------------------------------------------------
+
+def test_bytes_special_ids_and_size():
+    t = Tokenizer.bytes()
+    assert t.kind == "bytes" and t.vocab_size == 260
+    assert (t.pad_id, t.bos_id, t.eos_id, t.mask_id) == (256, 257, 258, 259)
+    specials = {t.pad_id, t.bos_id, t.eos_id, t.mask_id}
+    assert len(specials) == 4 and all(i > 255 for i in specials)
+
+
+@pytest.mark.parametrize("text", ["", "hello world", "café", "日本語", "emoji 😀👍🏽",
+                                  "a\tb\nc\x00"])
+def test_bytes_round_trip(text):
+    t = Tokenizer.bytes()
+    ids = t.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert t.decode(ids) == text
+    assert t.byte_length(ids) == len(text.encode("utf-8"))
+
+
+def test_bytes_encode_values():
+    t = Tokenizer.bytes()
+    assert t.encode("é") == [0xC3, 0xA9]
+    assert t.encode("日") == [0xE6, 0x97, 0xA5]
+    assert t.encode("😀") == [0xF0, 0x9F, 0x98, 0x80]
+
+
+def test_bytes_decode_specials_and_bad_bytes():
+    t = Tokenizer.bytes()
+    ids = [t.bos_id, 104, 105, t.mask_id, t.eos_id, 33, t.pad_id, t.pad_id]
+    assert t.decode(ids) == "hi\n!"
+    assert t.byte_length(ids) == 4
+    assert t.decode([0xC3]) == "\ufffd"          # a cut multi-byte character is replaced
+    assert t.decode(t.encode("é") + [t.eos_id]) == "é\n"
+
+
+def test_bytes_token_str():
+    t = Tokenizer.bytes()
+    assert t.token_str(65) == "A"
+    assert t.token_str(10) == "<0x0A>"
+    assert t.token_str(0xC3) == "<0xC3>"
+    assert [t.token_str(i) for i in (t.pad_id, t.bos_id, t.eos_id, t.mask_id)] == [
+        "[PAD]", "[BOS]", "[EOS]", "[MASK]"]
+
+
+def test_ids_outside_vocab_are_refused():
+    t = Tokenizer.bytes()
+    for bad in (-1, 260):
+        with pytest.raises(ValueError, match="outside"):
+            t.decode([bad])
+        with pytest.raises(ValueError, match="outside"):
+            t.token_str(bad)
+
+
+# ---- wordpiece: special ids ------------------------------------------------------------
+
+def test_wordpiece_special_ids(tok):
+    assert tok.kind == "wordpiece" and tok.vocab_size == len(TINY_VOCAB)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id, tok.unk_id) == (0, 2, 3, 4, 1)
+    assert "wordpiece" in repr(tok) and str(len(TINY_VOCAB)) in repr(tok)
+
+
+# ---- wordpiece: encode ------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, ids", [
+    # lower-casing and punctuation isolated as its own word
+    ("Hello, World!", [17, 12, 18, 14]),
+    ("the$5", [5, 22, 23]),              # $ is punctuation for BERT (ASCII non-alnum)
+    ("the's", [5, 15, 16]),
+    ("x-y", [34, 28, 36]),
+    ("xy", [34, 35]),                    # same letters without the hyphen: x + ##y
+    # accents stripped (NFD, then combining marks dropped)
+    ("Café", [6]),
+    ("cafe\u0301", [6]),                 # already decomposed
+    ("NAÏVE", [24]),
+    ("Résumé", [29]),
+    # greedy longest-match-first with ## continuations
+    ("unaffable", [7, 8, 9]),            # un + ##aff (not ##a + ##ff) + ##able
+    ("playing", [30, 31]),               # ##ing beats ##in + ##g
+    ("abbb", [25, 27, 26]),              # a + ##bb + ##b
+    ("plays", [30, 21]),
+    # unknown words: no piece matches somewhere -> the whole word is one [UNK]
+    ("zebra", [1]),
+    ("playx", [1]),                      # "play" matches, "##x" does not
+    ("the zebra", [5, 1]),
+    # words longer than 100 characters are [UNK]; exactly 100 is still split
+    ("a" + "b" * 99, [25] + [27] * 49 + [26]),
+    ("a" + "b" * 100, [1]),
+    # CJK ideographs are one word each ("##本" is not in the vocab)
+    ("日本", [19, 20]),
+    ("the日本the", [5, 19, 20, 5]),
+    # control and format characters are deleted, not turned into spaces
+    ("hel\x00lo", [17]),
+    ("he\x07llo", [17]),
+    ("x\u200by", [34, 35]),              # zero-width space (Cf)
+    ("x\ufeffy", [34, 35]),              # byte-order mark (Cf)
+    ("x\x85y", [34, 35]),                # NEL is a control character for BERT
+    ("x\ufffdy", [34, 35]),              # replacement character
+    # every kind of whitespace separates words
+    ("hello\tworld\nthe\r\nx\u00a0y\u3000the\u2003the  ", [17, 18, 5, 34, 36, 5, 5]),
+    ("   ", []),
+    ("", []),
+    # lower-casing is per character: a final capital sigma becomes σ, not ς
+    ("ΣΣ", [39, 40]),
+    # special-token strings in the raw text map to their ids; matching is case-sensitive
+    ("[CLS] [SEP] [MASK] [PAD] [UNK]", [2, 3, 4, 0, 1]),
+    ("x[SEP]y", [34, 3, 36]),
+    ("[MASK].", [4, 13]),
+    ("[cls]", [37, 1, 38]),              # lower case: plain text "[", "cls" (unknown), "]"
+    ("[[SEP]]", [37, 3, 38]),
+])
+def test_wordpiece_encode(tok, text, ids):
+    assert tok.encode(text) == ids
+    assert tok.encode(text) == ids       # second call is served by the word memo
+
+
+def test_wordpiece_encode_rejects_non_text(tok):
+    with pytest.raises(TypeError):
+        tok.encode(b"hello")
+
+
+# ---- wordpiece: decode ------------------------------------------------------------------
+
+def test_wordpiece_decode(tok):
+    assert tok.decode([17, 12, 18, 14]) == "hello , world !"
+    assert tok.decode([7, 8, 9]) == "unaffable"
+    # BOS, MASK and PAD vanish; EOS is a line break with no spaces around it
+    assert tok.decode([2, 30, 31, 3, 5, 4, 0, 0]) == "playing\nthe"
+    assert tok.decode([2, 17, 3, 18, 3]) == "hello\nworld\n"
+    assert tok.decode([5, 1]) == "the [UNK]"
+    assert tok.decode([]) == ""
+    assert tok.byte_length([2, 17, 3, 18, 3]) == len("hello\nworld\n")
+    assert tok.byte_length([19, 20]) == len("日 本".encode("utf-8"))
+
+
+def test_wordpiece_token_str(tok):
+    assert tok.token_str(8) == "##aff"
+    assert tok.token_str(tok.mask_id) == "[MASK]"
+    with pytest.raises(ValueError, match="outside"):
+        tok.token_str(len(TINY_VOCAB))
+
+
+# ---- spec round trip ------------------------------------------------------------------------
+
+def test_spec_round_trip_bytes():
+    t = Tokenizer.bytes()
+    spec = json.loads(json.dumps(t.spec()))
+    t2 = Tokenizer.from_spec(spec)
+    assert t2.kind == "bytes" and t2.spec() == t.spec()
+    assert t2.encode("日本") == t.encode("日本")
+
+
+def test_spec_round_trip_wordpiece_without_file(tmp_path):
+    path = write_vocab(tmp_path, TINY_VOCAB)
+    t = Tokenizer.from_vocab(path)
+    spec = json.loads(json.dumps(t.spec()))
+    path.unlink()                        # the spec alone must be enough
+    t2 = Tokenizer.from_spec(spec)
+    assert t2.spec() == t.spec()
+    assert (t2.vocab_size, t2.pad_id, t2.bos_id, t2.eos_id, t2.mask_id) == (
+        t.vocab_size, t.pad_id, t.bos_id, t.eos_id, t.mask_id)
+    text = "Hello, unaffable [MASK] 日本!"
+    assert t2.encode(text) == t.encode(text) == [17, 12, 7, 8, 9, 4, 19, 20, 14]
+
+
+@pytest.mark.parametrize("spec", [
+    None, "bytes", {}, {"kind": "sentencepiece"}, {"kind": "wordpiece"},
+    {"kind": "wordpiece", "vocab": "not a list"},
+    {"kind": "wordpiece", "vocab": ["[PAD]", "[UNK]", "the"]},
+])
+def test_from_spec_rejects_bad_specs(spec):
+    with pytest.raises(ValueError):
+        Tokenizer.from_spec(spec)
+
+
+# ---- from_vocab validation ------------------------------------------------------------------
+
+def test_from_vocab_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist.*vocab.txt"):
+        Tokenizer.from_vocab(tmp_path / "nope.txt")
+
+
+def test_from_vocab_directory(tmp_path):
+    with pytest.raises(ValueError, match="is not a file"):
+        Tokenizer.from_vocab(tmp_path)
+
+
+def test_from_vocab_empty_file(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        Tokenizer.from_vocab(path)
+
+
+def test_from_vocab_not_utf8(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_bytes("\n".join(TINY_VOCAB).encode("utf-8") + b"\n\xff\xfeoops\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        Tokenizer.from_vocab(path)
+
+
+@pytest.mark.parametrize("missing", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+def test_from_vocab_missing_special(tmp_path, missing):
+    path = write_vocab(tmp_path, [t for t in TINY_VOCAB if t != missing])
+    pattern = r"lacks the special token\(s\) " + re.escape(missing)
+    with pytest.raises(ValueError, match=pattern):
+        Tokenizer.from_vocab(path)
+
+
+def test_from_vocab_duplicate(tmp_path):
+    path = write_vocab(tmp_path, TINY_VOCAB + ["the"])
+    with pytest.raises(ValueError, match=r"'the' twice \(lines 6 and 42\)"):
+        Tokenizer.from_vocab(path)
+
+
+def test_from_vocab_blank_line(tmp_path):
+    path = write_vocab(tmp_path, TINY_VOCAB[:5] + [""] + TINY_VOCAB[5:])
+    with pytest.raises(ValueError, match="blank token on line 6"):
+        Tokenizer.from_vocab(path)
+
+
+def test_from_vocab_crlf_and_no_final_newline(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_bytes("\r\n".join(TINY_VOCAB).encode("utf-8"))
+    t = Tokenizer.from_vocab(path)
+    assert t.vocab_size == len(TINY_VOCAB) and t.encode("Hello!") == [17, 14]
