@@ -520,10 +520,12 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angle.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None].to(x.dtype)       # (B, 1, T, hd/2)
-        sin = self.sin[positions][:, None].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)                          # (B, H, T, hd/2) each
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        cos = self.cos[positions][:, None]                   # (B, 1, T, hd/2)
+        sin = self.sin[positions][:, None]
+        # NOTE: rotate in (at least) float32 even under bf16 autocast: angles of late
+        # positions lose their low bits in bf16.
+        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # (B, H, T, hd/2)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class KVCache:
@@ -744,7 +746,7 @@ def sample_order(cfg: Config, batch_size: int, generator=None, device=None,
     L = cfg.seq_len
     T = decode_times(cfg, batch_size, generator)              # (B, L) float64
     pos = torch.arange(L)
-    prefix = torch.as_tensor(prefix_len).reshape(-1, 1).clamp(min=1)  # BOS is always pinned
+    prefix = torch.as_tensor(prefix_len).cpu().reshape(-1, 1).clamp(min=1)  # BOS is always pinned
     pinned = pos[None, :] < prefix                            # (B or 1, L)
     pad = torch.zeros(batch_size, L, dtype=torch.bool) if pad_mask is None else pad_mask.cpu()
     tier = torch.where(pinned, 0, torch.where(pad, 2, 1))     # (B, L)
@@ -819,20 +821,24 @@ def elbo(model: SetDiffusionLM, x: torch.Tensor, num_orders: int = 1, batch_size
             pad = xb == cfg.pad_id
             scored = ~pad
             scored[:, 0] &= xb[:, 0] != cfg.bos_id                       # the BOS slot is given, not scored
-            total = torch.zeros(B, dtype=torch.float64, device=device)
+            total = torch.zeros(B, dtype=torch.float64)                  # on CPU: MPS has no float64
             for _ in range(num_orders):
                 order = sample_order(cfg, B, generator, device, pad_mask=pad)
                 logp = F.log_softmax(model(xb, order).float(), -1)       # (B, L, V) position order
                 nll = -logp.gather(-1, xb[..., None])[..., 0]            # (B, L)
-                total += (nll * scored).sum(1).double()
+                total += (nll * scored).sum(1).cpu().double()
             seq_nll.append((total / num_orders).cpu())
             seq_tokens.append(scored.sum(1).cpu())
     finally:
         model.train(was_training)
-    nll, tokens = torch.cat(seq_nll), torch.cat(seq_tokens).double()
-    per_token = nll / tokens.clamp(min=1)
-    se = float(per_token.std() / math.sqrt(len(per_token))) if len(per_token) > 1 else float("nan")
-    return Elbo(float(nll.sum()), int(tokens.sum()), num_orders, len(per_token), se)
+    nll, tokens = torch.cat(seq_nll), torch.cat(seq_tokens).double()   # (N,) each
+    N = len(nll)
+    # Standard error of the ratio sum(nll) / sum(tokens) (delta method, sequences as units):
+    # with equal-length rows (wrapped data) it is std(per-sequence rate) / sqrt(N).
+    rate = nll.sum() / tokens.sum()
+    resid = (nll - rate * tokens) / tokens.mean()
+    se = float(resid.std() / math.sqrt(N)) if N > 1 else float("nan")
+    return Elbo(float(nll.sum()), int(tokens.sum()), num_orders, N, se)
 
 
 # ----------------------------------------------------------------------------------------
@@ -845,7 +851,7 @@ class Generation:
     reveal_step: torch.Tensor   # (B, T) step that revealed each position; -1 given, -2 padding
     nfe: int                    # network calls (= steps: the prompt is written during step 0)
     steps: torch.Tensor         # (B,) steps each row needed
-    new_tokens: torch.Tensor    # (B,) tokens each row generated
+    new_tokens: torch.Tensor    # (B,) tokens each row revealed (including any PAD-ed after EOS)
     seconds: float              # wall time
 
     @property
@@ -884,23 +890,30 @@ def draw_candidates(logits, temperature: float, top_p: float, generator=None):
     (temperature-scaled, top-p truncated and renormalised; greedy uses the plain softmax).
     Sampling inverts the CDF with uniforms from a CPU generator, so results do not depend
     on the device's RNG. logits (B, n, V) -> (cand, conf) each (B, n)."""
+    device = logits.device
+    if device.type == "mps":
+        logits = logits.cpu()                                 # MPS has no float64
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()                               # float64 stays float64 (exactness tests)
     if temperature == 0:
         probs = F.softmax(logits, -1)
         cand = probs.argmax(-1)
-        return cand, probs.gather(-1, cand[..., None])[..., 0]
-    probs = F.softmax(logits / temperature, -1)               # (B, n, V)
+        return cand.to(device), probs.gather(-1, cand[..., None])[..., 0].to(device)
+    # subtract the max BEFORE dividing: a tiny temperature then gives a one-hot, not inf - inf
+    scaled = (logits - logits.max(-1, keepdim=True).values) / temperature
+    probs = F.softmax(scaled, -1)                             # (B, n, V)
     p_sorted, vocab_idx = probs.sort(-1, descending=True)
     if top_p < 1:
         keep = (p_sorted.cumsum(-1) - p_sorted) < top_p       # the smallest set with mass >= top_p
         p_sorted = p_sorted * keep
         p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
-    cdf = p_sorted.cumsum(-1)                                 # (B, n, V)
+    # NOTE: the CDF is inverted in float64: in float32, u just below the total mass can round
+    # up to it, and the search would then land on a zero-probability token such as MASK.
+    cdf = p_sorted.double().cumsum(-1)                        # (B, n, V)
     u = torch.rand(cdf.shape[:-1], generator=generator, dtype=torch.float64).to(cdf.device)
-    u = (u * cdf[..., -1].double()).to(cdf.dtype)             # below the total mass, so in range
-    j = torch.searchsorted(cdf, u[..., None], right=True).clamp(max=cdf.shape[-1] - 1)  # zero mass never hit
-    return vocab_idx.gather(-1, j)[..., 0], p_sorted.gather(-1, j)[..., 0]
+    u = u * cdf[..., -1]                                      # strictly below the total mass
+    j = torch.searchsorted(cdf, u[..., None], right=True)     # first entry with cdf > u: mass > 0
+    return vocab_idx.gather(-1, j)[..., 0].to(device), p_sorted.gather(-1, j)[..., 0].to(device)
 
 
 def commit_rule(conf, valid, threshold: float):
@@ -992,6 +1005,9 @@ def _prepare_canvas(cfg, prompt, infill, batch_size, max_new_tokens, device):
         raise ValueError(f"prompt/infill must have shape (T,) or (B, T), got {tuple(src.shape)}")
     if src.shape[0] == 1 and batch_size > 1:
         src = src.expand(batch_size, -1)
+    elif batch_size not in (1, src.shape[0]):
+        raise ValueError(f"the prompt/infill has {src.shape[0]} rows but batch_size={batch_size}: "
+                         "give one row (repeated) or batch_size equal to the rows")
     if src.numel() and (src.min() < 0 or src.max() >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); is the input from another tokenizer?")
     if src.shape[1] == 0 or (src[:, 0] != bos).all():
@@ -1054,6 +1070,7 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
     pending = given.clone()                  # revealed but not yet cached: the prompt at step 0
     done = ~(x == cfg.mask_id).any(1)
     steps = torch.zeros(B, dtype=torch.long, device=device)
+    new_tokens = torch.zeros(B, dtype=torch.long, device=device)       # revealed, PAD-ed later or not
     cache = KVCache(cfg, B, T, max_call=T + w, device=device) if use_cache else None
     block = cfg.set_size if cfg.order == "block" else None
     nfe = 0
@@ -1075,6 +1092,7 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
             step_of.scatter_(1, q_idx, torch.where(reveal, nfe, step_of.gather(1, q_idx)))
             pending = torch.zeros_like(xs, dtype=torch.bool).scatter_(1, q_idx, reveal)[:, :T]
             steps += ~done
+            new_tokens += reveal.sum(1)
             nfe += 1
             done |= ~(xs[:, :T] == cfg.mask_id).any(1)
             if stop_at_eos:
@@ -1083,20 +1101,22 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
         model.train(was_training)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    new_tokens = (step_of[:, :T] >= 0).sum(1)
+    elif device.type == "mps":
+        torch.mps.synchronize()
     return Generation(xs[:, :T], step_of[:, :T].clamp(min=-2), nfe, steps.cpu(),
                       new_tokens.cpu(), time.perf_counter() - start)
 
 
 def _stop_at_eos(cfg, xs, step_of, T):
-    """Rows whose first generated EOS has everything before it revealed are done; what
-    follows that EOS becomes PAD with step -2 (SPEC §5 'Stopping'). Updates in place."""
+    """Rows whose first generated EOS has everything before it revealed are done; the
+    generated or still masked positions after that EOS become PAD with step -2 (SPEC §5
+    'Stopping'). Given tokens (infill context) are never changed. Updates in place."""
     pos = torch.arange(T, device=xs.device)[None, :]
     eos = (xs[:, :T] == cfg.eos_id) & (step_of[:, :T] >= 0)            # generated, not given
     first = torch.where(eos, pos, T).min(1, keepdim=True).values       # (B, 1)
     unrevealed_before = ((xs[:, :T] == cfg.mask_id) & (pos < first)).any(1)
     stop = (first[:, 0] < T) & ~unrevealed_before
-    after = stop[:, None] & (pos > first)
+    after = stop[:, None] & (pos > first) & (step_of[:, :T] != -1)     # never a given token
     xs[:, :T] = torch.where(after, cfg.pad_id, xs[:, :T])
     step_of[:, :T] = torch.where(after, -2, step_of[:, :T])
     return stop

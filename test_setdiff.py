@@ -242,6 +242,12 @@ def test_no_empty_rows_and_padded_gradients_are_finite():
     model = tiny_model()
     x = random_rows(model.cfg, 2)
     x[1, 4:] = model.cfg.pad_id
+    run = model.run
+
+    def checked_run(tokens, positions, attn, cache=None):
+        assert attn.any(-1).all()                          # no query row attends nothing
+        return run(tokens, positions, attn, cache)
+    model.run = checked_run
     model.train()
     model.loss(x, generator=torch.Generator().manual_seed(0)).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -296,8 +302,30 @@ def test_elbo_ar_equals_left_to_right_sum():
     assert res.tokens == sum(counts) and res.num_orders == 3 and res.num_seqs == 5
     assert abs(res.nll - sum(per_seq)) < 1e-3
     assert abs(res.ppl - math.exp(sum(per_seq) / sum(counts))) < 1e-3 * res.ppl
-    rates = torch.tensor(per_seq) / torch.tensor(counts, dtype=torch.float64)
-    assert abs(res.se - rates.std().item() / math.sqrt(5)) < 1e-6
+    # delta-method standard error of sum(nll) / sum(tokens), sequences as units
+    rate = sum(per_seq) / sum(counts)
+    mean_n = sum(counts) / 5
+    resid = [(a - rate * n) / mean_n for a, n in zip(per_seq, counts)]
+    mu = sum(resid) / 5
+    want_se = math.sqrt(sum((r - mu) ** 2 for r in resid) / 4) / math.sqrt(5)
+    assert abs(res.se - want_se) < 1e-6
+
+
+def test_elbo_averages_k_random_orders():
+    """Uniform policy: each row's NLL is the mean over K orders; BOS and padding unscored."""
+    model = tiny_model(order="uniform", set_size=24)
+    cfg = model.cfg
+    x = random_rows(cfg, 3)
+    x[2, 10:] = cfg.pad_id
+    res = elbo(model, x, num_orders=4, batch_size=3, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)                    # replay the same order draws
+    want = 0.0
+    for _ in range(4):
+        order = sample_order(cfg, 3, g, pad_mask=x == cfg.pad_id)
+        logp = torch.log_softmax(model(x, order).double(), -1)
+        for b in range(3):
+            want += sum(-logp[b, i, x[b, i]].item() for i in range(1, cfg.seq_len) if x[b, i] != cfg.pad_id) / 4
+    assert res.tokens == 23 + 23 + 9 and abs(res.nll - want) < 1e-3
 
 
 def test_tiny_model_overfits_short_text():
@@ -348,14 +376,29 @@ def test_cached_equals_cache_free(case, temperature):
     a = generate(model, prompt=prompt, generator=torch.Generator().manual_seed(9), **kw)
     b = generate(model, prompt=prompt, generator=torch.Generator().manual_seed(9), use_cache=False, **kw)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+    canvas = random_rows(model.cfg, 3, seed=5)
+    holes = torch.zeros_like(canvas, dtype=torch.bool)
+    holes[0, 2:7] = holes[0, 15:18] = holes[1, 20:] = holes[2, 8:16] = True   # right context too
+    infill = torch.where(holes, model.cfg.mask_id, canvas)
+    kw.pop("batch_size")
+    a = generate(model, infill=infill, generator=torch.Generator().manual_seed(10), **kw)
+    b = generate(model, infill=infill, generator=torch.Generator().manual_seed(10), use_cache=False, **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+    assert torch.equal(a.tokens[~holes], canvas[~holes])
 
 
-def test_cached_logits_equal_cache_free_logits_step_by_step():
+@pytest.mark.parametrize("with_infill", [False, True])
+def test_cached_logits_equal_cache_free_logits_step_by_step(with_infill):
     """The two prediction paths give the same logits on the same state (float64)."""
     model = tiny_model(dtype=torch.float64)
     cfg = model.cfg
     T = cfg.seq_len
-    out = generate(model, batch_size=2, window=3, threshold=0.3, temperature=0.0)
+    if with_infill:
+        infill = random_rows(cfg, 2, seed=6)
+        infill[0, 3:10] = infill[1, 12:20] = cfg.mask_id
+        out = generate(model, infill=infill, window=3, threshold=0.3, temperature=0.0)
+    else:
+        out = generate(model, batch_size=2, window=3, threshold=0.3, temperature=0.0)
     cache = setdiff.KVCache(cfg, 2, T, max_call=T + 3, device="cpu")
     steps = out.reveal_step
     xs = torch.cat([out.tokens, torch.full((2, 1), cfg.pad_id)], 1)
@@ -387,6 +430,32 @@ def test_one_token_per_step_matches_training_forward(order, window, set_size):
     assert torch.equal(greedy[gen], out.tokens[gen])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sampler_distributions_equal_training_forward(use_cache, monkeypatch):
+    """Sampled decoding, one token per step (float64): at every step the distribution the
+    sampler drew from equals the training forward's at that position, given the final
+    sequence and its reveal order (SPEC §5)."""
+    model = tiny_model(dtype=torch.float64)
+    seen = []                                               # (position, logits) of each draw
+    draw = setdiff.draw_candidates
+
+    def spy(logits, temperature, top_p, generator=None):
+        cand, conf = draw(logits, temperature, top_p, generator)
+        seen.append(logits.clone())
+        return cand, conf
+    monkeypatch.setattr(setdiff, "draw_candidates", spy)
+    out = generate(model, window=4, temperature=1.0, generator=torch.Generator().manual_seed(15),
+                   use_cache=use_cache)
+    order = decode_order_from_steps(out.reveal_step)
+    ref = torch.log_softmax(model(out.tokens, order), -1)[0]            # (L, V)
+    for step, logits in enumerate(seen):
+        pos = int((out.reveal_step[0] == step).nonzero())
+        masked = out.reveal_step[:1] >= step                             # state before this step
+        q = setdiff.window_queries(masked, 4, None)[0]
+        slot = int(q[:pos].sum())                                       # queries are in position order
+        assert torch.allclose(torch.log_softmax(logits[0, slot], -1), ref[pos], atol=1e-9)
+
+
 def test_top_p_truncates_and_confidence_is_the_drawn_probability():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
     logits = p.log().expand(1, 20000, 4)
@@ -405,15 +474,31 @@ def test_top_p_truncates_and_confidence_is_the_drawn_probability():
     assert torch.allclose(freq, want, atol=0.02)
 
 
+def test_sampling_never_draws_zero_probability_tokens(monkeypatch):
+    """u just below the total mass must not round up onto MASK (float32 logits, the last
+    entry of the sorted distribution)."""
+    logits = torch.randn(2, 3, 260)
+    logits[..., 259] = float("-inf")
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[0], 1 - 2**-53, dtype=torch.float64))
+    for top_p in (1.0, 0.9):
+        cand, conf = setdiff.draw_candidates(logits, 1.0, top_p)
+        assert not (cand == 259).any() and torch.all(conf > 0)
+    monkeypatch.undo()
+    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0)          # tiny temperature ~ greedy
+    assert torch.equal(cand, logits.argmax(-1)) and torch.all(conf == 1)
+
+
 def test_block_windows_never_cross_block_boundaries():
     model = tiny_model(order="block", set_size=4)
     out = generate(model, batch_size=3, window=4, threshold=0.05, temperature=1.0,
                    generator=torch.Generator().manual_seed(14))
     for row in out.reveal_step.tolist():
-        for blk in range(1, 6):
+        for blk in range(0, 5):
             here, nxt = row[4 * blk:4 * blk + 4], row[4 * blk + 4:4 * blk + 8]
-            if nxt:
-                assert max(here) < min(nxt)          # block j done before block j+1 starts
+            here = [s for s in here if s >= 0]                        # BOS is given
+            assert max(here) < min(nxt)              # block j done before block j+1 starts
+        for step in set(row) - {-1}:
+            assert len({p // 4 for p, s in enumerate(row) if s == step}) == 1   # one block per step
     a = generate(model, window=4, threshold=0.0, temperature=0.0)  # whole block per step
     assert a.nfe == 24 // 4                                       # one step per block (BOS + 3 in block 0)
 
@@ -461,8 +546,8 @@ def test_threshold_controls_tokens_per_step():
     assert all_of_window.nfe == math.ceil((model.cfg.seq_len - 1) / 3)   # whole window every step
     some = generate(model, batch_size=2, window=3, threshold=0.2, temperature=0.0)
     assert all_of_window.nfe <= some.nfe <= one.nfe
-    counts = torch.bincount(some.reveal_step[some.reveal_step >= 0])
-    assert torch.all(counts >= 1)                                         # never zero per step
+    for row, n in zip(some.reveal_step.tolist(), some.steps.tolist()):
+        assert {s for s in row if s >= 0} == set(range(n))               # never zero per step, per row
 
 
 def eos_model():
@@ -486,6 +571,31 @@ def test_stop_at_eos_pads_the_rest():
     assert torch.all(out.tokens[0, 5:] == cfg.pad_id) and torch.all(out.reveal_step[0, 5:] == -2)
     full = generate(model, prompt=torch.tensor([70]), temperature=0.0)
     assert not (full.tokens == cfg.pad_id).any() and full.nfe == cfg.seq_len - 2
+    # infill: the right context survives; batched, cached == cache-free
+    infill = random_rows(cfg, 2, seed=7)
+    infill[0, 3:6] = infill[1, 10:20] = cfg.mask_id
+    a = generate(model, infill=infill, temperature=0.0, window=3, stop_at_eos=True)
+    b = generate(model, infill=infill, temperature=0.0, window=3, stop_at_eos=True, use_cache=False)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+    known = infill != cfg.mask_id
+    assert torch.equal(a.tokens[known], infill[known])
+    assert a.tokens[0, 3] == cfg.eos_id and torch.all(a.tokens[0, 4:6] == cfg.pad_id)
+
+
+def test_stop_at_eos_rule_by_hand():
+    cfg = tiny_cfg(seq_len=8)
+    M, E, P = cfg.mask_id, cfg.eos_id, cfg.pad_id
+    xs = torch.tensor([[cfg.bos_id, 65, M, 66, E, 67, M, 68, P],     # masked before the EOS: go on
+                       [cfg.bos_id, 65, 66, E, 67, M, 68, 69, P],    # stop: 67, M -> PAD; 68 given
+                       [cfg.bos_id, E, 65, M, M, M, M, M, P]])       # EOS given: not a stop
+    step = torch.tensor([[-1, 0, -3, 1, 2, 2, -3, -1, -3],
+                         [-1, 0, 1, 2, 2, -3, -1, 3, -3],
+                         [-1, -1, 0, -3, -3, -3, -3, -3, -3]])
+    stop = setdiff._stop_at_eos(cfg, xs, step, 8)
+    assert stop.tolist() == [False, True, False]
+    assert xs[1, :8].tolist() == [cfg.bos_id, 65, 66, E, P, P, 68, P]
+    assert step[1, :8].tolist() == [-1, 0, 1, 2, -2, -2, -1, -2]
+    assert xs[0, 5] == 67 and xs[2, 2] == 65
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -543,6 +653,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(prompt=torch.ones(3, 2, dtype=torch.long), batch_size=2), "rows"),
 ])
 def test_generate_rejects_bad_input(kwargs, match):
     model = tiny_model()                     # staggered d=3, s=6: largest window 6
