@@ -1,15 +1,23 @@
 """Tests for setdiff: every invariant of SPEC.md checked against an independent computation
 (a brute-force loop, a closed form, or the cache-free path). CPU, fp32 unless stated."""
 
+import errno
 import json
 import math
+import os
+import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import setdiff
+import train_small
 from setdiff import (Config, SetDiffusionLM, StaggeredSchedule, Tokenizer, elbo, generate,
                      load_checkpoint, max_window, sample_order, save_checkpoint, set_causal_mask)
 
@@ -953,3 +961,615 @@ def test_from_vocab_crlf_and_no_final_newline(tmp_path):
     path.write_bytes("\r\n".join(TINY_VOCAB).encode("utf-8"))
     t = Tokenizer.from_vocab(path)
     assert t.vocab_size == len(TINY_VOCAB) and t.encode("Hello!") == [17, 14]
+
+
+# ----------------------------------------------------------------------------------------
+# train_small.py: data preparation, training, resume and bad input
+#
+# Tiny models on tiny corpora written into tmp_path; every run is CPU float32, no
+# downloads. The 2-process DDP test takes ~15 s.
+
+REPO = Path(train_small.__file__).resolve().parent
+TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
+              "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "5", "--eval-rows", "8",
+              "--dtype", "float32", "--workers", "1", "--log-every", "5", "--val-fraction", "0.1"]
+
+
+def write_corpus(path: Path, lines: int = 600, seed: int = 0) -> Path:
+    """Short sentences over a small vocabulary: a tiny model learns them in a few steps."""
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and a dog ran to the big red house under blue sky".split()
+    text = "".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize()
+                   + ".\n" for _ in range(lines))
+    path.write_text(text)
+    return path
+
+
+def run_script(*args, cwd=REPO, timeout=300, module=None):
+    """Run train_small.py (or `python -m module ...`) as a user would."""
+    cmd = [sys.executable] + (["-m", module] if module else []) + [*args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def train_args(tmp_path: Path, out: str = "run", *extra) -> list:
+    return ["--data", str(tmp_path / "corpus.txt"), "--cache-dir", str(tmp_path / "cache"),
+            "--out", str(tmp_path / out), *TINY_MODEL, *extra]
+
+
+def metrics(out: Path, kind: str) -> list:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == kind]
+
+
+def assert_one_line_error(capsys_or_result, needle: str, after_progress: bool = False):
+    """Exactly one stderr line, 'error: ...', no traceback. `after_progress`: errors raised
+    mid-training may follow the progress bar's own lines; the error is still one line."""
+    err = capsys_or_result.stderr if hasattr(capsys_or_result, "stderr") else capsys_or_result
+    lines = [l for l in err.replace("\r", "\n").splitlines() if l.strip()]
+    assert "Traceback" not in err, err
+    if after_progress:
+        lines = [l for l in lines if "error" in l]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+
+
+def test_wrapped_rows_match_hand_built(tmp_path):
+    """SPEC §6: EOS after each sentence, chunks of L-2, [BOS] + chunk + [EOS], tail dropped."""
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"ab\n\ncde\r\n  f  \nghij\n")       # blank lines and \r\n are not sentences
+    tok = Tokenizer.bytes()
+    rows, meta = train_small.prepare_rows([(f, "train")], tok, 6, tmp_path / "cache", verbose=False)
+    B, E = tok.bos_id, tok.eos_id
+    a, b, c, d, e, f_, g, h, i = (ord(ch) for ch in "abcdefghi")
+    # stream: a b E c d e E f E g h i j E -> [a b E c] [d e E f] [E g h i] + tail [j E]
+    expected = np.array([[B, a, b, E, c, E], [B, d, e, E, f_, E], [B, E, g, h, i, E]], np.uint16)
+    assert rows["train"].dtype == np.uint16
+    np.testing.assert_array_equal(rows["train"], expected)
+    split = meta["splits"]["train"]
+    assert (split["rows"], split["lines"], split["tokens"], split["dropped_tail_tokens"]) == (3, 4, 14, 2)
+    assert meta["seq_len"] == 6 and meta["tokenizer"]["kind"] == "bytes" and meta["bad_lines"] == 0
+
+
+def test_wrapped_rows_every_row_bos_eos(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = Tokenizer.bytes()
+    rows, meta = train_small.prepare_rows([(corpus, "hash")], tok, 32, tmp_path / "cache",
+                                          val_fraction=0.1, verbose=False)
+    for side in ("train", "val"):
+        r = np.asarray(rows[side])
+        assert r.shape[1] == 32 and len(r) == meta["splits"][side]["rows"] > 0
+        assert (r[:, 0] == tok.bos_id).all() and (r[:, -1] == tok.eos_id).all()
+        # one EOS per sentence inside the rows: the stream is the sentences, EOS-separated
+        body = r[:, 1:-1].ravel()
+        text = bytes(np.where(body == tok.eos_id, ord("\n"), body).astype(np.uint8)).decode()
+        assert all(s.endswith(".") for s in text.split("\n")[:-1])
+    # the held-out slice is chosen per line content: no sentence is on both sides
+    lines = corpus.read_bytes().splitlines()
+    val = {l for l in lines if train_small.held_out(l, 0.1)}
+    assert meta["splits"]["val"]["lines"] == sum(l in val for l in lines)
+    assert 0 < len(val) < len(set(lines))
+
+
+def test_row_cache_reused_and_rebuilt(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok, cache = Tokenizer.bytes(), tmp_path / "cache"
+    rows1, meta1 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    folder = Path(rows1["train"].filename).parent
+    stamp = (folder / "train.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    rows2, meta2 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    assert "reusing" in capsys.readouterr().out
+    assert (folder / "train.bin").stat().st_mtime_ns == stamp and meta2 == meta1
+    np.testing.assert_array_equal(rows1["train"], rows2["train"])
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["sources"][0]["size"] == corpus.stat().st_size and "mtime_ns" in meta["sources"][0]
+    # a changed file rebuilds the same cache entry; a different L is another entry
+    with open(corpus, "a") as f:
+        f.write("A brand new sentence that was not there before.\n" * 20)
+    rows3, meta3 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    assert "reusing" not in capsys.readouterr().out
+    assert meta3["splits"]["train"]["lines"] == meta1["splits"]["train"]["lines"] + 20
+    assert Path(rows3["train"].filename).parent == folder
+    rows4, _ = train_small.prepare_rows([(corpus, "train")], tok, 16, cache, verbose=False)
+    assert Path(rows4["train"].filename).parent != folder and rows4["train"].shape[1] == 16
+    assert not list(cache.rglob("*.tmp-*"))
+
+
+def test_row_cache_parallel_equals_serial(tmp_path, monkeypatch):
+    """Worker processes give exactly the rows of the in-process path, in file order."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=3000)
+    tok = Tokenizer.bytes()
+    serial, _ = train_small.prepare_rows([(corpus, "hash")], tok, 32, tmp_path / "a",
+                                         val_fraction=0.1, workers=1, verbose=False)
+    monkeypatch.setattr(train_small, "CHUNK_BYTES", 4096)  # many byte ranges, 2 workers
+    parallel, _ = train_small.prepare_rows([(corpus, "hash")], tok, 32, tmp_path / "b",
+                                           val_fraction=0.1, workers=2, verbose=False)
+    for side in ("train", "val"):
+        np.testing.assert_array_equal(serial[side], parallel[side])
+
+
+def test_wordpiece_rows_and_bad_utf8_lines_are_counted(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat",
+                                "sat", ".", "dog"]) + "\n")
+    tok = train_small.load_tokenizer(str(vocab))
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"The cat sat.\n\xff\xfe broken\nthe dog sat.\n" * 4)
+    rows, meta = train_small.prepare_rows([(f, "train")], tok, 8, tmp_path / "cache", verbose=False)
+    assert meta["bad_lines"] == 4 and meta["splits"]["train"]["lines"] == 8
+    assert meta["tokenizer"]["kind"] == "wordpiece"
+    ids = [5, 6, 7, 8, tok.eos_id, 5, 9, 7, 8, tok.eos_id] * 4
+    expected = [[tok.bos_id, *ids[k:k + 6], tok.eos_id] for k in range(0, 36, 6)]
+    np.testing.assert_array_equal(rows["train"], np.array(expected, np.uint16))
+
+
+def test_builtin_corpus_is_deterministic_prose(tmp_path):
+    """A few real source files (the full corpus takes ~20 s): same bytes twice, prose only."""
+    roots = dict(train_small.builtin_corpus_sources())
+    files = [roots["python"] / "json" / "__init__.py", roots["python"] / "textwrap.py",
+             roots["numpy"] / "lib" / "_function_base_impl.py", roots["torch"] / "_torch_docs.py"]
+    a = train_small.builtin_corpus(tmp_path, workers=1, files=files, out=tmp_path / "a.txt")
+    b = train_small.builtin_corpus(tmp_path, workers=1, files=files, out=tmp_path / "b.txt")
+    assert a.read_bytes() == b.read_bytes()
+    lines = a.read_text().splitlines()
+    assert len(lines) > 300 and len(set(lines)) == len(lines)
+    for line in lines:
+        assert train_small.is_prose(line), line
+        assert not any(bad in line for bad in (">>>", "://", "``", ":func:", "Parameters"))
+    name = train_small.builtin_corpus_path(tmp_path).name
+    assert np.__version__ in name and torch.__version__ in name
+
+
+def test_builtin_corpus_cleaning_rules(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('''
+def f(x):
+    """Compute the thing from :func:`numpy.sum` and ``x`` values.
+
+    This sentence is kept because it is plain prose. See https://example.com for more.
+
+    Parameters
+    ----------
+    x : array_like
+        The input array that is described here.
+
+    Examples
+    --------
+    >>> f(1)
+    2
+
+    .. note::
+        A directive body is dropped entirely.
+
+    Notes
+    -----
+    The notes section is prose and stays in the corpus.
+    """
+''')
+    assert train_small.corpus_sentences(src) == [
+        "Compute the thing from numpy.sum and x values.",
+        "This sentence is kept because it is plain prose.",
+        "The notes section is prose and stays in the corpus."]
+
+
+# -- training, end to end -----------------------------------------------------------------
+
+def test_train_end_to_end_resume_is_exact(tmp_path):
+    write_corpus(tmp_path / "corpus.txt")
+    r = run_script("train_small.py", *train_args(tmp_path, "run", "--max-steps", "30",
+                                                 "--eval-every", "15"))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    assert (out / "ckpt.pt").is_file() and (out / "best.pt").is_file()
+    train = metrics(out, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0          # it learns
+    val = metrics(out, "val")
+    assert [v["step"] for v in val] == [15, 30]
+    for v in val:  # SPEC §4 report: bound, bits per byte, orders, tokens, standard error
+        assert v["num_orders"] == 1 and v["tokens_scored"] == v["rows"] * 31 and v["se"] > 0
+        assert v["bytes"] == v["tokens_scored"]                # bytes tokenizer, EOS = "\n"
+        assert v["bits_per_byte"] == pytest.approx(np.log(v["ppl_bound"]) / np.log(2))
+    assert "sample (" in r.stdout and "best validation" in r.stdout
+    model, tok, ckpt = load_checkpoint(out / "ckpt.pt")
+    assert ckpt["state"]["step"] == 30 and ckpt["state"]["tokens"] == 30 * 8 * 32
+    assert "optimizer" in ckpt and "train_model" in ckpt and ckpt["args"]["n_layer"] == 1
+
+    # --resume continues the step count, and equals one uninterrupted 45-step run
+    r = run_script("train_small.py", "--resume", "--out", str(out), "--max-steps", "45",
+                   "--cache-dir", str(tmp_path / "cache"), "--workers", "1", "--log-every", "5")
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stdout
+    assert [m["step"] for m in metrics(out, "train")] == list(range(5, 50, 5))
+    r = run_script("train_small.py", *train_args(tmp_path, "straight", "--max-steps", "45",
+                                                 "--eval-every", "15"))
+    assert r.returncode == 0, r.stderr
+    resumed = load_checkpoint(out / "ckpt.pt")[2]
+    straight = load_checkpoint(tmp_path / "straight" / "ckpt.pt")[2]
+    assert resumed["state"]["step"] == straight["state"]["step"] == 45
+    assert resumed["state"]["data"] == straight["state"]["data"]
+    for k, v in straight["train_model"].items():
+        assert torch.equal(v, resumed["train_model"][k]), k
+    for k, v in straight["model"].items():                      # EMA weights too
+        assert torch.equal(v, resumed["model"][k]), k
+
+
+def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    real = train_small.learning_rate
+
+    def interrupt_at_step_7(args, step):
+        if step == 7:
+            raise KeyboardInterrupt
+        return real(args, step)
+
+    monkeypatch.setattr(train_small, "learning_rate", interrupt_at_step_7)
+    assert train_small.main(train_args(tmp_path, "run", "--max-steps", "20", "--eval-every", "50")) == 130
+    assert "interrupted at step 7" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")[2]["state"]["step"] == 7
+    monkeypatch.setattr(train_small, "learning_rate", real)
+    assert train_small.main(["--resume", "--out", str(tmp_path / "run"), "--max-steps", "10",
+                             "--cache-dir", str(tmp_path / "cache"), "--workers", "1"]) == 0
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")[2]["state"]["step"] == 10
+
+
+def test_train_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    args = train_args(tmp_path, "run", "--max-steps", "5", "--eval-every", "5")
+    assert train_small.main(args) == 0
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    code = train_small.main(["--resume", "--out", str(tmp_path / "run"), "--max-steps", "10",
+                             "--cache-dir", str(tmp_path / "cache"), "--workers", "1"])
+    assert code == 2
+    assert_one_line_error(capsys.readouterr().err, "No space left on device", after_progress=True)
+    assert ckpt.read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+
+
+# -- bad input: one line on stderr, exit code 2, nothing overwritten ----------------------
+
+@pytest.mark.parametrize("case", ["missing", "glob", "empty", "binary", "too_small",
+                                  "bad_vocab", "missing_vocab", "resume_nothing", "bad_set_size"])
+def test_bad_input_one_line_exit_2(tmp_path, capsys, case):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"an older run")          # --force: still nothing overwritten
+    (out / "metrics.jsonl").write_text("{}\n")
+    data = tmp_path / "corpus.txt"
+    write_corpus(data)
+    flags = ["--data", str(data)]
+    needle = {"missing": "no such file", "glob": "matches no file", "empty": "is empty",
+              "binary": "does not look like text", "too_small": "needs 30",
+              "bad_vocab": "lacks the special token", "missing_vocab": "no such file",
+              "resume_nothing": "no checkpoint", "bad_set_size": "set_size"}[case]
+    if case == "missing":
+        flags = ["--data", str(tmp_path / "nope.txt")]
+    elif case == "glob":
+        flags = ["--data", str(tmp_path / "nope-*.txt")]
+    elif case == "empty":
+        (tmp_path / "empty.txt").write_text("\n  \n")
+        flags += [str(tmp_path / "empty.txt")]
+    elif case == "binary":
+        (tmp_path / "blob.bin").write_bytes(bytes(random.Random(0).randrange(128, 256) for _ in range(5000)))
+        flags = ["--data", str(tmp_path / "blob.bin")]
+    elif case == "too_small":
+        (tmp_path / "small.txt").write_text("Only a few words.\n")
+        flags = ["--data", str(tmp_path / "small.txt")]
+    elif case == "bad_vocab":
+        (tmp_path / "vocab.txt").write_text("hello\nworld\n")
+        flags += ["--tokenizer", str(tmp_path / "vocab.txt")]
+    elif case == "missing_vocab":
+        flags += ["--tokenizer", str(tmp_path / "no-vocab.txt")]
+    elif case == "resume_nothing":
+        flags += ["--resume", "--out", str(tmp_path / "elsewhere")]
+    elif case == "bad_set_size":
+        flags += ["--set-size", "100"]
+    argv = ["--cache-dir", str(cache), "--out", str(out), *TINY_MODEL, "--max-steps", "2",
+            "--force", *flags]
+    assert train_small.main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, needle)
+    assert (out / "ckpt.pt").read_bytes() == b"an older run"
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    assert not list(cache.rglob("*.bin")) or case in ("bad_set_size", "resume_nothing")
+
+
+def test_out_dir_holding_another_run_is_refused(tmp_path):
+    """Through the real command line: exit 2, one line, no traceback, the run untouched."""
+    write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"somebody's run")
+    r = run_script("train_small.py", *train_args(tmp_path, "run", "--max-steps", "2"))
+    assert r.returncode == 2
+    assert_one_line_error(r, "already holds a run")
+    assert "--resume" in r.stderr and "--force" in r.stderr
+    assert (out / "ckpt.pt").read_bytes() == b"somebody's run"
+    r = run_script("train_small.py", "--data", str(tmp_path / "missing.txt"), "--out", str(out))
+    assert r.returncode == 2
+    assert_one_line_error(r, "")
+
+
+def test_resume_refuses_changed_settings(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    assert train_small.main(train_args(tmp_path, "run", "--max-steps", "3", "--eval-every", "3")) == 0
+    capsys.readouterr()
+    code = train_small.main(["--resume", "--out", str(tmp_path / "run"), "--n-layer", "2",
+                             "--cache-dir", str(tmp_path / "cache")])
+    assert code == 2
+    assert_one_line_error(capsys.readouterr().err, "--n-layer 2 differs")
+
+
+def test_ddp_two_processes_match_one_process(tmp_path):
+    """torchrun with 2 gloo CPU processes: each takes half of every global batch, and the
+    loss trajectory equals the 1-process run with the same global batch."""
+    write_corpus(tmp_path / "corpus.txt")
+    common = ["--global-batch", "8", "--max-steps", "10", "--eval-every", "10", "--log-every", "1"]
+    one = run_script("train_small.py", *train_args(tmp_path, "one", *common))
+    assert one.returncode == 0, one.stderr
+    two = run_script("--standalone", "--nproc_per_node", "2", "train_small.py",
+                     *train_args(tmp_path, "two", *common), module="torch.distributed.run")
+    assert two.returncode == 0, two.stderr
+    assert "4 per forward x 1 accumulation x 2 processes" in two.stdout
+    assert two.stdout.count("best validation") == 1          # only rank 0 prints
+    l1 = [m["loss"] for m in metrics(tmp_path / "one", "train")]
+    l2 = [m["loss"] for m in metrics(tmp_path / "two", "train")]
+    assert len(l1) == len(l2) == 10
+    np.testing.assert_allclose(l2, l1, rtol=1e-4)
+    assert l2[-1] < l2[0]
+
+
+# ----------------------------------------------------------------------------------------
+# sample.py: every mode on a tiny checkpoint, run as a user would (a subprocess), and the
+# bad inputs (one line on stderr, exit code 2, no traceback). CPU, float32, no downloads.
+#
+# The checkpoint is built here with setdiff.save_checkpoint, not by train_small.py. Its
+# random model is rigged to write only lowercase letters (a large logit offset on the
+# letter ids), so known text and generated text can be told apart exactly.
+
+SAMPLE_REPO = Path(setdiff.__file__).resolve().parent
+SAMPLE_L = 24                               # context of the tiny checkpoint
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def letters_model(seed: int = 0) -> SetDiffusionLM:
+    """Tiny random staggered model (d=3, s=6) whose predictions are lowercase letters only.
+
+    Weights get a fan-in scaled random init (x3) so that predictions depend on the context
+    and differ between positions (the default init gives one letter everywhere and
+    saturated, tied confidences). ln_f's bias puts +10 on hidden unit 0, which the head
+    maps to +3 for letters and -3 for every other id: a logit gap of ~60."""
+    tok = Tokenizer.bytes()
+    cfg = Config(vocab_size=tok.vocab_size, seq_len=SAMPLE_L, n_layer=2, n_head=2, d_model=32,
+                 dropout=0.0, order="staggered", set_size=3, pad_id=tok.pad_id, bos_id=tok.bos_id,
+                 eos_id=tok.eos_id, mask_id=tok.mask_id)
+    torch.manual_seed(seed)
+    model = SetDiffusionLM(cfg)
+    letters = torch.tensor([ord(c) for c in LETTERS])
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.normal_(m.weight, std=3.0 / m.in_features ** 0.5)
+            elif isinstance(m, torch.nn.Embedding):
+                torch.nn.init.normal_(m.weight, std=1.0)
+        torch.nn.init.normal_(model.head.weight, std=0.5)
+        model.ln_f.bias[0] = 10.0
+        model.head.weight[:, 0] = -3.0
+        model.head.weight[letters, 0] = 3.0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sample_ckpt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sample") / "tiny.pt"
+    save_checkpoint(path, letters_model(), Tokenizer.bytes())
+    return path
+
+
+def run_sample(*args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("NO_COLOR", None)
+    return subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=SAMPLE_REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def samples_of(stdout: str) -> list:
+    """[(header, text)] for every '--- sample i/n: ...' block of sample.py's output."""
+    lines = stdout.splitlines()
+    return [(line, lines[i + 1]) for i, line in enumerate(lines) if line.startswith("--- sample ")]
+
+
+def sample_ok(result) -> str:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stdout
+
+
+def test_sample_unconditional_batches_and_speed_lines(sample_ckpt):
+    out = sample_ok(run_sample("--ckpt", sample_ckpt, "--num-samples", 3, "--batch-size", 2))
+    found = samples_of(out)
+    assert [h.split(":")[0] for h, _ in found] == [f"--- sample {i}/3" for i in (1, 2, 3)]
+    for header, text in found:
+        assert re.search(r"\d+ network calls, [\d.]+ tokens/call, [\d,]+ tokens/s", header)
+        assert re.fullmatch(f"[a-z]{{{SAMPLE_L - 1}}}", text)       # the whole context filled
+    assert "=== batch of 2:" in out
+    assert len({t for _, t in found}) == 3                          # sampled rows differ
+    again = samples_of(sample_ok(run_sample("--ckpt", sample_ckpt, "--num-samples", 3, "--batch-size", 2)))
+    assert [t for _, t in again] == [t for _, t in found]          # --seed fixes the samples
+
+
+def test_sample_prompt_is_kept_and_continued(sample_ckpt):
+    out = sample_ok(run_sample("--ckpt", sample_ckpt, "--prompt", "Hi, you", "--max-new-tokens", 9))
+    (header, text), = samples_of(out)
+    assert re.fullmatch(r"Hi, you[a-z]{9}", text)
+    assert header.split(": ")[1].startswith("9 network calls")    # tau > 1: one token per call
+
+
+@pytest.mark.parametrize("template,pattern", [
+    ("A [MASK]. B [MASK][MASK]!", r"A [a-z]\. B [a-z]{2}!"),          # [MASK] = one position (a MASK id)
+    ("X ___ Y", r"X [a-z]{3} Y"),                                       # bare span: --span-len
+    ("___5 Z ___2", r"[a-z]{5} Z [a-z]{2}"),                            # ___N: N positions
+])
+def test_sample_infill_fills_only_the_holes(sample_ckpt, template, pattern):
+    out = sample_ok(run_sample("--ckpt", sample_ckpt, "--infill", template, "--span-len", 3,
+                               "--threshold", 0.5, "--num-samples", 2))      # default window: s
+    texts = [t for _, t in samples_of(out)]
+    assert len(texts) == 2 and all(re.fullmatch(pattern, t) for t in texts), texts
+
+
+def test_sample_show_order_marks_every_set(sample_ckpt):
+    out = sample_ok(run_sample("--ckpt", sample_ckpt, "--prompt", "Go", "--threshold", 0.3,
+                               "--temperature", 0, "--window", 6, "--show-order"))
+    lines = out.splitlines()
+    (header, text), = samples_of(out)
+    calls = int(re.search(r"(\d+) network calls", header).group(1))
+    picture = lines[lines.index("--- decode order:") + 1]
+    runs = re.findall(r"\[([a-z]+)\](\d+)", picture)
+    assert picture.startswith("Go[") and "".join(f"[{t}]{s}" for t, s in runs) == picture[2:]
+    assert "Go" + "".join(t for t, _ in runs) == text                  # the picture is the text
+    sizes = {}
+    for t, s in runs:
+        sizes[int(s)] = sizes.get(int(s), 0) + len(t)
+    assert sorted(sizes) == list(range(calls)) and calls < SAMPLE_L - 3   # some calls revealed sets
+    assert any(n > 1 for n in sizes.values())
+    assert lines[lines.index("--- decode order:") + 2].startswith("--- network calls revealed:")
+
+
+def test_sample_stop_at_eos(tmp_path):
+    """A model that puts EOS first everywhere: with --stop-at-eos the sample ends at the
+    first generated EOS, one call after the prompt; without it the context is filled."""
+    model = letters_model()
+    with torch.no_grad():
+        model.head.weight[model.cfg.eos_id, 0] = 5.0                   # EOS beats every letter
+    save_checkpoint(tmp_path / "eos.pt", model, Tokenizer.bytes())
+    common = ("--ckpt", tmp_path / "eos.pt", "--prompt", "Hi", "--temperature", 0)
+    (header, text), = samples_of(sample_ok(run_sample(*common, "--stop-at-eos")))
+    assert text == "Hi" and ": 1 network calls" in header
+    (header, _), = samples_of(sample_ok(run_sample(*common)))
+    assert f": {SAMPLE_L - 3} network calls" in header
+
+
+def test_order_picture_plain_and_colour():
+    sys.path.insert(0, str(SAMPLE_REPO))
+    import sample
+    tok = Tokenizer.bytes()
+    ids = [tok.bos_id] + list(b"ab") + list(b"cde") + [tok.eos_id, tok.pad_id]
+    steps = [-1, -1, -1, 1, 1, 0, 2, -2]
+    assert sample.order_picture(tok, ids, steps, colour=False) == "ab[cd]1[e]0[\\n]2"   # EOS shown
+    coloured = sample.order_picture(tok, ids, steps, colour=True)
+    assert re.sub(r"\033\[[\d;]*m", "", coloured) == "abcd1e0\\n2" and "\033[" in coloured
+    assert sample.set_summary([-1, 0, 1, 0, 2]) == \
+        "network calls revealed: 2 x 1 token, 1 x 2 tokens; 1 set(s) not contiguous"
+
+
+def test_sample_no_cache_gives_the_same_output(sample_ckpt):
+    common = ("--ckpt", sample_ckpt, "--temperature", 0, "--threshold", 0.4, "--window", 6,
+              "--num-samples", 2, "--prompt", "Q")
+    cached = samples_of(sample_ok(run_sample(*common)))
+    free = samples_of(sample_ok(run_sample(*common, "--no-cache")))
+    assert [t for _, t in cached] == [t for _, t in free]
+    calls = [re.search(r"(\d+) network calls", h).group(1) for h, _ in cached + free]
+    assert calls[:2] == calls[2:]
+
+
+def test_sample_eval_matches_the_bound_on_wrapped_rows(sample_ckpt, tmp_path):
+    lines = [f"the {w} sat on a mat." for w in ("cat", "dog", "fox", "owl", "hen", "ram")] * 3
+    (tmp_path / "val.txt").write_text("\n".join(lines) + "\n")
+    out = sample_ok(run_sample("--ckpt", sample_ckpt, "--eval", tmp_path / "val.txt", "--num-orders", 2,
+                        "--cache-dir", tmp_path / "cache"))
+    # independent computation: SPEC §6 wrapped rows, then setdiff.elbo with seed 0
+    tok = Tokenizer.bytes()
+    stream = [i for line in lines for i in tok.encode(line) + [tok.eos_id]]
+    body = SAMPLE_L - 2
+    rows = torch.tensor([[tok.bos_id] + stream[k:k + body] + [tok.eos_id]
+                         for k in range(0, len(stream) - body + 1, body)])
+    res = elbo(letters_model(), rows, num_orders=2, generator=torch.Generator().manual_seed(0))
+    num_bytes = sum(len(r) - 1 for r in rows.tolist())               # one byte per token, EOS = "\n"
+    assert f"perplexity bound   {res.ppl:.4f}" in out
+    assert f"bits per byte      {res.bits_per_byte(num_bytes):.4f}" in out
+    assert f"tokens scored      {res.tokens:,}" in out and f"+- {res.se:.4f}" in out
+    assert "orders per row     2" in out
+
+
+def test_sample_bench_tiny(sample_ckpt):
+    for extra in ((), ("--ckpt", sample_ckpt)):
+        out = sample_ok(run_sample("--bench", "--bench-tiny", *extra))
+        for title in ("## Cached vs cache-free", "## Threshold sweep", "## Batch scaling"):
+            assert title in out
+        assert "machine:" in out and "python sample.py --bench --bench-tiny" in out
+        cache_rows = re.findall(r"^\| [12] \| \d+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \| (\w+) \|$", out, re.M)
+        assert cache_rows == ["yes", "yes"]
+        assert len(re.findall(r"^\| [12] \| [ds] = \d+ \| [\d.]+ \|", out, re.M)) == 16
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing checkpoint", "not found"),
+    ("truncated checkpoint", "truncated or corrupt"),
+    ("prompt longer than the context", "leaves no room"),
+    ("window above the largest", "window must be in"),
+    ("infill without a hole", "nothing to fill"),
+    ("missing text file", "no such file"),
+    ("empty text file", "is empty"),
+    ("binary text file", "not UTF-8"),
+    ("no checkpoint", "--ckpt"),
+    ("prompt and infill", "not allowed with"),
+])
+def test_sample_bad_input(sample_ckpt, tmp_path, case, message):
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(sample_ckpt.read_bytes()[:2000])
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 abc\n\x80\x80\xc3\n")
+    ckpt, cache = ("--ckpt", sample_ckpt), ("--cache-dir", tmp_path / "cache")
+    args = {
+        "missing checkpoint": ("--ckpt", tmp_path / "missing.pt"),
+        "truncated checkpoint": ("--ckpt", cut),
+        "prompt longer than the context": (*ckpt, "--prompt", "x" * SAMPLE_L),
+        "window above the largest": (*ckpt, "--window", 7),          # d=3, s=6: largest window 6
+        "infill without a hole": (*ckpt, "--infill", "no holes here"),
+        "missing text file": (*ckpt, "--eval", tmp_path / "missing.txt", *cache),
+        "empty text file": (*ckpt, "--eval", tmp_path / "empty.txt", *cache),
+        "binary text file": (*ckpt, "--eval", tmp_path / "binary.txt", *cache),
+        "no checkpoint": ("--prompt", "hello"),
+        "prompt and infill": (*ckpt, "--prompt", "a", "--infill", "[MASK]"),
+    }[case]
+    r = run_sample(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert message in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# Benchmarks and the comparison table: CI-sized smoke runs (the numbers are not asserted,
+# only that the tables come out with their columns and sane ratios)
+
+def test_train_bench_tiny_prints_the_table():
+    r = run_script("train_small.py", "--bench", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
+                   "--seq-len", "32", "--batch-size", "4", "--bench-steps", "1", "--bench-repeats", "1")
+    assert r.returncode == 0, r.stderr
+    rows = [l for l in r.stdout.splitlines() if l.startswith("| float32") or l.startswith("| bfloat16")]
+    assert len(rows) == 4 and all(l.count("|") == 7 for l in rows)
+    assert rows[1].split("|")[5].strip() == "1.00x"                   # AR is the reference
+
+
+def test_compare_smoke(tmp_path):
+    """Train a tiny AR judge and a tiny staggered model, then build the results table."""
+    write_corpus(tmp_path / "corpus.txt")
+    for order in ("ar", "staggered"):
+        r = run_script("train_small.py", *train_args(tmp_path, order, "--order", order, "--max-steps", "6",
+                                                     "--eval-every", "6"))
+        assert r.returncode == 0, r.stderr
+    r = run_sample("--compare", tmp_path / "ar" / "best.pt", tmp_path / "staggered" / "best.pt",
+                   "--judge", tmp_path / "ar" / "best.pt", "--compare-samples", 2, "--eval-rows", 4,
+                   "--num-orders", 2, "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    table = [l for l in r.stdout.splitlines() if l.startswith("| staggered d=4 |")]
+    assert len(table) == 1 + 3 + 1                    # bound, three thresholds, infill
+    r = run_sample("--compare", tmp_path / "staggered" / "best.pt", "--judge", tmp_path / "staggered" / "best.pt",
+                   "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 2 and "not ar" in r.stderr and "Traceback" not in r.stderr
