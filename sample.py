@@ -31,21 +31,14 @@ import torch
 from tqdm import tqdm
 
 from setdiff import Config, SetDiffusionLM, Tokenizer, elbo, generate, load_checkpoint, max_window
-from train_small import (Dist, UserError, autocast, default_cache_dir, format_bound, pick_device,
-                         pick_dtype, prepare_data, text_rows, validation_bound)
+from train_small import (Dist, OneLineErrorParser, UserError, autocast, bytes_per_token,
+                         default_cache_dir, format_bound, pick_device, pick_dtype, prepare_data,
+                         text_rows, validation_bound)
 
 
 # ----------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit 2) like every other bad input."""
-
-    def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the examples' line breaks; show '(default: X)' only where there is a default."""
@@ -64,7 +57,7 @@ BENCH_SHAPES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line; the flag names are fixed by issue 3 (other tools rely on them)."""
-    p = _Parser(description="Sample from a set diffusion LM checkpoint (unconditionally, after a\n"
+    p = OneLineErrorParser(description="Sample from a set diffusion LM checkpoint (unconditionally, after a\n"
                             "prompt, or by infilling), score it on text files (--eval), or time\n"
                             "the sampler (--bench).",
                 epilog="examples:\n" + __doc__.split("\n\n")[1], formatter_class=_HelpFormatter)
@@ -78,12 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "ONE position to fill (one byte with the bytes tokenizer, one word piece "
                            "with a BERT vocab); '___' (three or more underscores) is a span of "
                            "--span-len positions and '___N' a span of exactly N positions")
-    mode.add_argument("--eval", nargs="+", metavar="FILE",
+    mode.add_argument("--eval", nargs="*", metavar="FILE",
                       help="print the likelihood bound of the checkpoint on these text files "
-                           "(one sentence per line, wrapped into rows as in training). These are "
-                           "train_small.py's validation numbers: to reproduce a log line, score its "
-                           "--val-data with its --eval-rows, --eval-orders (here --num-orders), "
-                           "--seed, and --batch-size twice its micro-batch")
+                           "(one sentence per line, wrapped into rows as in training), or with no "
+                           "FILE on the validation split of the checkpoint's own training run (the "
+                           "built-in corpus's held-out lines included). These are train_small.py's "
+                           "validation numbers: to reproduce a log line use its --eval-rows, "
+                           "--eval-orders (here --num-orders), --seed, and --batch-size twice its "
+                           "micro-batch")
     mode.add_argument("--compare", nargs="+", metavar="CKPT",
                       help="the results table: for each checkpoint, the validation bound (K "
                            "--num-orders), unconditional samples scored by the --judge AR model at "
@@ -335,14 +330,23 @@ def sample(args, model: SetDiffusionLM, tok: Tokenizer, device, dtype) -> None:
 # Evaluation (--eval): train_small.py's validation bound on any text file
 # ----------------------------------------------------------------------------------------
 
-def evaluate(args, model: SetDiffusionLM, tok: Tokenizer, dtype) -> None:
-    """Wrap the files into rows exactly like training data, then score them (SPEC §4)."""
+def evaluate(args, model: SetDiffusionLM, tok: Tokenizer, ckpt: dict, dtype) -> None:
+    """Wrap the files into rows exactly like training data (or rebuild the run's own
+    validation split), then score them (SPEC §4)."""
     # The tokenizing progress bar only on a terminal: in logs and pipes, stderr stays
     # clean for the one-line error messages.
-    rows = text_rows(args.eval, tok, model.cfg.seq_len, args.cache_dir, verbose=sys.stderr.isatty())
+    if args.eval:
+        rows, text_bytes_per_token = text_rows(args.eval, tok, model.cfg.seq_len, args.cache_dir,
+                                               verbose=sys.stderr.isatty())
+    elif isinstance(ckpt.get("args"), dict):
+        rows, text_bytes_per_token = validation_rows(ckpt["args"], tok, args.cache_dir)
+    else:
+        raise ValueError(f"{args.ckpt} does not record its training data: give --eval FILE ...")
     m = validation_bound(model, rows, tok, num_orders=args.num_orders, max_rows=args.eval_rows,
-                         batch_size=args.batch_size or 32, seed=args.seed, dtype=dtype)
-    print(f"eval: {' '.join(args.eval)}: {m['rows']:,} of {len(rows):,} rows of L={model.cfg.seq_len}")
+                         batch_size=args.batch_size or 32, seed=args.seed, dtype=dtype,
+                         text_bytes_per_token=text_bytes_per_token)
+    source = " ".join(args.eval) or "the training run's validation split"
+    print(f"eval: {source}: {m['rows']:,} of {len(rows):,} rows of L={model.cfg.seq_len}")
     print(f"perplexity bound   {m['ppl_bound']:.4f}   (an upper bound on the true perplexity)")
     print(f"nats per token     {m['nll_per_token']:.4f} +- {m['se']:.4f} (standard error across rows)")
     print(f"bits per byte      {m['bits_per_byte']:.4f}   ({m['bytes']:,} bytes of text)")
@@ -362,7 +366,7 @@ def evaluate(args, model: SetDiffusionLM, tok: Tokenizer, dtype) -> None:
 COMPARE_THRESHOLDS = (float("inf"), 0.9, 0.7)
 
 
-def judge_nll(judge: SetDiffusionLM, rows: torch.Tensor) -> float:
+def judge_ppl(judge: SetDiffusionLM, rows: torch.Tensor) -> float:
     """Perplexity of rows under the AR judge: its order is the identity, so the bound
     is its exact likelihood (BOS not scored)."""
     return elbo(judge, rows, num_orders=1, batch_size=32).ppl
@@ -375,13 +379,18 @@ def unigram_entropy(rows: torch.Tensor, tok: Tokenizer) -> float:
     return float(-(p * p.log2()).sum())
 
 
-def validation_rows(ckpt_args: dict, tok: Tokenizer, seq_len: int) -> np.ndarray:
+def validation_rows(ckpt_args: dict, tok: Tokenizer, cache_dir: Path) -> tuple:
     """The validation split a training run used, rebuilt (or found in the cache) from the
-    flags saved in its checkpoint."""
+    flags saved in its checkpoint, and its source bytes per token."""
     ns = argparse.Namespace(**ckpt_args)
-    ns.cache_dir = Path(ns.cache_dir)
-    rows, _ = prepare_data(ns, tok, verbose=False)
-    return rows["val"]
+    ns.cache_dir = cache_dir
+    rows, meta = prepare_data(ns, tok, verbose=False)
+    return rows["val"], bytes_per_token(meta["splits"]["val"])
+
+
+# Flags that must agree for two runs to share a validation split and a budget.
+SAME_DATA = ("data", "val_data", "val_fraction", "seq_len", "tokenizer", "preset", "max_steps",
+             "batch_size", "global_batch", "seed")
 
 
 def compare(args, device, dtype) -> None:
@@ -391,39 +400,43 @@ def compare(args, device, dtype) -> None:
     if judge.cfg.order != "ar":
         raise ValueError(f"--judge {args.judge} was trained with order {judge.cfg.order}, not ar")
     judge.eval()
-    val = torch.from_numpy(np.asarray(validation_rows(judge_ckpt["args"], tok, judge.cfg.seq_len),
-                                      dtype=np.int64))
+    num_orders = max(args.num_orders, 4)                     # issue 4: K >= 4 orders
+    val, text_bytes_per_token = validation_rows(judge_ckpt["args"], tok, args.cache_dir)
+    val = torch.from_numpy(np.asarray(val, dtype=np.int64))
     n_inf = min(64, len(val))
     L = judge.cfg.seq_len
     span = slice(L * 3 // 8, L * 5 // 8)                     # a middle span, 32 of 128 tokens
     print(machine_line(device, dtype))
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"validation: {len(val):,} rows; bound on the first {args.eval_rows or len(val):,} with "
-          f"K={args.num_orders} orders; {args.compare_samples} samples per threshold "
+          f"K={num_orders} orders; {args.compare_samples} samples per threshold "
           f"(temperature {args.temperature}, top-p {args.top_p}); infill: positions "
           f"{span.start}..{span.stop - 1} of {n_inf} rows, greedy")
     ref_entropy = unigram_entropy(val[:args.compare_samples], tok)
     bound_rows, gen_rows, fill_rows = [], [], []
     for path in args.compare:
-        model, mtok, _ = load_checkpoint(path, device)
-        if mtok.spec() != tok.spec() or model.cfg.seq_len != L:
-            raise ValueError(f"{path}: tokenizer or L differs from the judge's; compare like with like")
+        model, mtok, ckpt = load_checkpoint(path, device)
+        differ = [k for k in SAME_DATA if ckpt.get("args", {}).get(k) != judge_ckpt["args"].get(k)]
+        if mtok.spec() != tok.spec() or differ:
+            raise ValueError(f"{path}: {', '.join(differ) or 'tokenizer'} differ(s) from the judge's run; "
+                             "compare runs trained on the same data with the same budget")
         model.eval()
         cfg = model.cfg
         name = cfg.order + (f" d={cfg.set_size}" if cfg.order in ("staggered", "block") else "")
-        m = validation_bound(model, val, tok, num_orders=args.num_orders, max_rows=args.eval_rows,
-                             seed=args.seed, dtype=dtype)
+        m = validation_bound(model, val, tok, num_orders=num_orders, max_rows=args.eval_rows,
+                             seed=args.seed, dtype=dtype, text_bytes_per_token=text_bytes_per_token)
         bound_rows.append(f"| {name} | {m['ppl_bound']:.3f} | {m['nll_per_token']:.4f} +- {m['se']:.4f} | "
                           f"{m['bits_per_byte']:.3f} | {m['num_orders']} | {m['tokens_scored']:,} |")
         window = args.window or (cfg.set_size if cfg.order == "staggered" else max_window(cfg))
-        for tau in COMPARE_THRESHOLDS:
+        # AR reveals one token per call whatever the threshold: one row says it all
+        for tau in COMPARE_THRESHOLDS[:1] if cfg.order == "ar" else COMPARE_THRESHOLDS:
             with autocast(device, dtype):
                 out = generate(model, batch_size=args.compare_samples, window=window, threshold=tau,
                                temperature=args.temperature, top_p=args.top_p,
                                generator=torch.Generator().manual_seed(args.seed))
             rows = out.tokens.cpu()
             gen_rows.append(f"| {name} | {window} | {'>1' if math.isinf(tau) else tau} | "
-                            f"{out.tokens_per_step:.2f} | {judge_nll(judge, rows):.2f} | "
+                            f"{out.tokens_per_step:.2f} | {judge_ppl(judge, rows):.2f} | "
                             f"{unigram_entropy(rows, tok):.2f} | {out.seconds:.1f} |")
             print(f"  {name}, tau {tau}: {tok.decode(rows[0][:80])[:70]!r}", flush=True)
         canvas = val[:n_inf].clone()
@@ -432,19 +445,19 @@ def compare(args, device, dtype) -> None:
             filled = generate(model, infill=canvas, window=max_window(cfg), temperature=0.0,
                               threshold=float("inf")).tokens.cpu()
         acc = (filled[:, span] == val[:n_inf, span]).double().mean().item()
-        fill_rows.append(f"| {name} | {max_window(cfg)} | {acc:.3f} | {judge_nll(judge, filled):.2f} |")
+        fill_rows.append(f"| {name} | {max_window(cfg)} | {acc:.3f} | {judge_ppl(judge, filled):.2f} |")
     print("\n| model | val ppl bound | nats/token +- se | bits/byte | orders | tokens scored |")
     print("|---|---|---|---|---|---|")
     print("\n".join(bound_rows))
     print("\n| model | window | threshold | tokens/call | judge ppl | unigram entropy (bits) | seconds |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(gen_rows))
-    print(f"\nvalidation text: judge ppl {judge_nll(judge, val[:args.compare_samples]):.2f}, "
+    print(f"\nvalidation text: judge ppl {judge_ppl(judge, val[:args.compare_samples]):.2f}, "
           f"unigram entropy {ref_entropy:.2f} bits")
     print("\n| model | infill window | exact-token accuracy | judge ppl of completed rows |")
     print("|---|---|---|---|")
     print("\n".join(fill_rows))
-    print(f"original rows: judge ppl {judge_nll(judge, val[:n_inf]):.2f}")
+    print(f"original rows: judge ppl {judge_ppl(judge, val[:n_inf]):.2f}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -614,7 +627,7 @@ def load(args, device) -> tuple:
     print(f"model: {args.ckpt} ({weights}{step}): "
           f"{model.num_params() / 1e6:.2f}M parameters, order {cfg.order} (d={cfg.set_size}, "
           f"s={cfg.max_set_size}), L={cfg.seq_len}, largest window {max_window(cfg)}, tokenizer {tok.kind}")
-    return model.eval(), tok
+    return model.eval(), tok, ckpt
 
 
 def main(argv=None) -> int:
@@ -632,14 +645,15 @@ def main(argv=None) -> int:
             return 0
         if args.bench and args.ckpt is None:
             model, tok = random_model(args, device)
+            ckpt = {}
             source = "random model (no --ckpt)"
         else:
-            model, tok = load(args, device)
+            model, tok, ckpt = load(args, device)
             source = args.ckpt
         if args.bench:
             bench(args, model, device, dtype, source)
-        elif args.eval:
-            evaluate(args, model, tok, dtype)
+        elif args.eval is not None:
+            evaluate(args, model, tok, ckpt, dtype)
         else:
             sample(args, model, tok, device, dtype)
     except (ValueError, UserError) as e:

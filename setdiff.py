@@ -1135,7 +1135,10 @@ def atomic_save(obj, path: str):
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as e:              # torch reports a full disk as a RuntimeError
+            raise OSError(f"could not write {tmp}: {e}") from e
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -1,7 +1,6 @@
 """Tests for setdiff: every invariant of SPEC.md checked against an independent computation
 (a brute-force loop, a closed form, or the cache-free path). CPU, fp32 unless stated."""
 
-import errno
 import json
 import math
 import os
@@ -1168,8 +1167,9 @@ def test_train_end_to_end_resume_is_exact(tmp_path):
     assert [v["step"] for v in val] == [15, 30]
     for v in val:  # SPEC §4 report: bound, bits per byte, orders, tokens, standard error
         assert v["num_orders"] == 1 and v["tokens_scored"] == v["rows"] * 31 and v["se"] > 0
-        assert v["bytes"] == v["tokens_scored"]                # bytes tokenizer, EOS = "\n"
-        assert v["bits_per_byte"] == pytest.approx(np.log(v["ppl_bound"]) / np.log(2))
+        assert v["bytes"] == v["rows"] * 30                    # L-2 bytes of text per row (bytes tok.)
+        nats = v["nll_per_token"] * v["tokens_scored"]
+        assert v["bits_per_byte"] == pytest.approx(nats / np.log(2) / v["bytes"])
     assert "sample (" in r.stdout and "best validation" in r.stdout
     model, tok, ckpt = load_checkpoint(out / "ckpt.pt")
     assert ckpt["state"]["step"] == 30 and ckpt["state"]["tokens"] == 30 * 8 * 32
@@ -1221,8 +1221,10 @@ def test_train_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, caps
     before = ckpt.read_bytes()
     capsys.readouterr()
 
-    def disk_full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def disk_full(obj, f, *a, **k):                   # what torch.save raises on a full disk
+        open(f, "wb").write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed "
+                           "writing file data/0: file write failed (No space left on device)")
 
     monkeypatch.setattr(torch, "save", disk_full)
     code = train_small.main(["--resume", "--out", str(tmp_path / "run"), "--max-steps", "10",
@@ -1490,7 +1492,7 @@ def test_sample_eval_matches_the_bound_on_wrapped_rows(sample_ckpt, tmp_path):
     rows = torch.tensor([[tok.bos_id] + stream[k:k + body] + [tok.eos_id]
                          for k in range(0, len(stream) - body + 1, body)])
     res = elbo(letters_model(), rows, num_orders=2, generator=torch.Generator().manual_seed(0))
-    num_bytes = sum(len(r) - 1 for r in rows.tolist())               # one byte per token, EOS = "\n"
+    num_bytes = len(rows) * body                  # source bytes the rows cover: L-2 per row (bytes tok.)
     assert f"perplexity bound   {res.ppl:.4f}" in out
     assert f"bits per byte      {res.bits_per_byte(num_bytes):.4f}" in out
     assert f"tokens scored      {res.tokens:,}" in out and f"+- {res.se:.4f}" in out
@@ -1570,6 +1572,38 @@ def test_compare_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     table = [l for l in r.stdout.splitlines() if l.startswith("| staggered d=4 |")]
     assert len(table) == 1 + 3 + 1                    # bound, three thresholds, infill
+    assert sum(l.startswith("| ar |") for l in r.stdout.splitlines()) == 1 + 1 + 1  # AR: one threshold
+    # --eval without files: the run's own validation split, the numbers its log shows
+    r = run_sample("--ckpt", tmp_path / "ar" / "best.pt", "--eval", "--eval-rows", 8, "--batch-size", 16,
+                   "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    logged = metrics(tmp_path / "ar", "val")[-1]
+    assert f"ppl <= {logged['ppl_bound']:.3f}" in r.stdout and "validation split" in r.stdout
     r = run_sample("--compare", tmp_path / "staggered" / "best.pt", "--judge", tmp_path / "staggered" / "best.pt",
                    "--cache-dir", tmp_path / "cache")
     assert r.returncode == 2 and "not ar" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_train_flag_errors_are_one_line(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    for extra, needle in ((["--eval-every", "0"], "--eval-every must be at least 1"),
+                          (["--device", "nonsense"], "is not a device"),
+                          (["--no-such-flag"], "unrecognized arguments")):
+        with pytest.raises(SystemExit) if extra[0] == "--no-such-flag" else contextlib_null():
+            code = train_small.main(train_args(tmp_path, "run", *extra))
+            assert code == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists()                   # nothing written
+
+
+def contextlib_null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def test_metrics_log_survives_a_cut_off_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 5, "kind": "train"}\n{"step": 10, "kind": "train"}\n{"step": 1')
+    train_small.MetricsLog(path, resume_step=5)
+    assert path.read_text() == '{"step": 5, "kind": "train"}\n'

@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import platform
 import re
+import signal
 import sys
 import sysconfig
 import time
@@ -594,11 +595,12 @@ def _check_counts(plan, per_file, splits, seq_len, val_fraction) -> None:
 
 
 def text_rows(files: list[str], tok: Tokenizer, seq_len: int, cache_dir: Path,
-              workers: int | None = None, verbose: bool = True) -> np.ndarray:
-    """All rows of the given text files as one split (what `sample.py --eval FILE` scores)."""
-    rows, _ = prepare_rows([(p, "val") for p in expand_inputs(files, "--eval")], tok, seq_len,
-                           cache_dir, workers=workers, verbose=verbose)
-    return rows["val"]
+              workers: int | None = None, verbose: bool = True) -> tuple[np.ndarray, float]:
+    """All rows of the given text files as one split (what `sample.py --eval FILE` scores),
+    and the source text's bytes per token."""
+    rows, meta = prepare_rows([(p, "val") for p in expand_inputs(files, "--eval")], tok, seq_len,
+                              cache_dir, workers=workers, verbose=verbose)
+    return rows["val"], bytes_per_token(meta["splits"]["val"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -683,8 +685,19 @@ ADAM_BETAS = (0.9, 0.999)  # SPEC §6, the same in every preset
 # Flags about this machine or this session: a resumed run takes them from the command line.
 SESSION_FLAGS = {"out", "resume", "force", "device", "dtype", "compile", "workers", "cache_dir",
                  "log_every", "prepare_only", "bench", "bench_steps", "bench_repeats"}
+# Session flags a resumed run keeps from the checkpoint unless given again (re-tokenizing
+# LM1B into a different cache because --cache-dir was not repeated would cost an hour).
+KEEP_UNLESS_GIVEN = {"cache_dir", "log_every", "workers"}
 # Flags a resumed run may change when given; every other flag must match the checkpoint's run.
 RESUME_OVERRIDES = {"max_steps", "eval_every", "eval_rows", "eval_orders"}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit 2) like every other bad input."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -697,7 +710,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     """The command line. `with_defaults=False` leaves out every default, so that parsing
     tells which flags the user actually typed (a resumed run needs to know)."""
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         description="Train a set diffusion LM (setdiff.py). Without flags: the CPU demo on "
                     "the built-in corpus (docstrings of the installed Python, numpy and torch).",
         formatter_class=_HelpFormatter)
@@ -794,6 +807,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, [os.path.abspath(p) for p in getattr(args, key)])
     if args.tokenizer not in (None, "bytes"):
         args.tokenizer = os.path.abspath(args.tokenizer)
+    for key, low in (("max_steps", 1), ("batch_size", 1), ("eval_every", 1), ("log_every", 1),
+                     ("eval_rows", 0), ("eval_orders", 1), ("warmup_steps", 0), ("workers", 1),
+                     ("bench_steps", 1), ("bench_repeats", 1), ("seq_len", 3), ("n_layer", 1)):
+        if getattr(args, key) < low:
+            raise UserError(f"--{key.replace('_', '-')} must be at least {low}, got {getattr(args, key)}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise UserError(f"--global-batch must be at least 1, got {args.global_batch}")
     return args
 
 
@@ -825,7 +845,10 @@ class Dist:
 def pick_device(requested: str | None, dist: Dist) -> tuple[torch.device, str]:
     """--device if given (checked), else the first of cuda -> mps -> cpu; and why."""
     if requested:
-        device = torch.device(requested)
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise UserError(f"--device {requested!r} is not a device: use cpu, cuda, cuda:N or mps") from None
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", dist.local_rank)  # one GPU per torchrun process
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -878,22 +901,30 @@ class TrainStep(torch.nn.Module):
 # ----------------------------------------------------------------------------------------
 # Validation: the likelihood bound of SPEC §4 (also what `sample.py --eval` prints)
 
+def bytes_per_token(split: dict) -> float:
+    """UTF-8 bytes of the source text per token of a split (newline <-> EOS): 1.0 for the
+    bytes tokenizer, ~4-5 for WordPiece on English."""
+    return split["text_bytes"] / max(split["tokens"], 1)
+
+
 def validation_bound(model: SetDiffusionLM, rows: np.ndarray, tok: Tokenizer, num_orders: int = 1,
                      max_rows: int = 0, batch_size: int = 32, seed: int = 0,
-                     dtype: torch.dtype = torch.float32) -> dict:
+                     dtype: torch.dtype = torch.float32, text_bytes_per_token: float = 1.0) -> dict:
     """Perplexity bound and bits per byte of `model` on wrapped rows (N, L).
 
     The first `max_rows` rows (all if 0) are scored with `num_orders` decode orders each,
     drawn from a generator seeded by `seed`, so every evaluation of a run uses the same
     rows and orders and the numbers are comparable from step to step. Bits per byte divide
-    the NLL by the UTF-8 length of the scored text: each row without its BOS."""
+    the NLL by the bytes of SOURCE text the rows cover: L-2 tokens of text per row (BOS and
+    the row's closing EOS are not text) times the split's bytes per token. NOTE: decoded
+    WordPiece text (lower-cased, re-spaced) would miscount the bytes by ~20%."""
     n = len(rows) if max_rows <= 0 else min(max_rows, len(rows))
     x = torch.from_numpy(np.asarray(rows[:n], dtype=np.int64))         # (n, L)
     device = next(model.parameters()).device
     with autocast(device, dtype):
         res = elbo(model, x, num_orders=num_orders, batch_size=batch_size,
                    generator=torch.Generator().manual_seed(seed))
-    num_bytes = sum(tok.byte_length(row[1:]) for row in x.tolist())
+    num_bytes = round(n * (x.shape[1] - 2) * text_bytes_per_token)
     return {"ppl_bound": res.ppl, "nll_per_token": res.nll_per_token,
             "bits_per_byte": res.bits_per_byte(num_bytes), "se": res.se,
             "num_orders": res.num_orders, "tokens_scored": res.tokens, "rows": res.num_seqs,
@@ -947,13 +978,22 @@ def resumed_args(args, ckpt: dict) -> argparse.Namespace:
             raise UserError(f"{flag} {getattr(args, key)} differs from the resumed run's "
                             f"{saved.get(key)}: a resumed run keeps its settings (drop {flag})")
     for key in SESSION_FLAGS | (RESUME_OVERRIDES & set(args.given)):
-        saved[key] = getattr(args, key)
+        if key in args.given or key not in saved or key not in KEEP_UNLESS_GIVEN:
+            saved[key] = getattr(args, key)
     return argparse.Namespace(**saved, given=args.given)
 
 
 def args_for_checkpoint(args) -> dict:
     """Flags as plain JSON-like values (checkpoints are loaded with weights_only=True)."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "given"}
+
+
+def _step_of(line: str, default: int) -> int:
+    """The step of one metrics.jsonl line; a line cut off by a crash counts as `default`."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return default
 
 
 class MetricsLog:
@@ -964,7 +1004,7 @@ class MetricsLog:
         if resume_step is None:
             path.write_text("")
         elif path.exists():  # drop what was logged after the checkpoint we resume from
-            kept = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
+            kept = [l for l in path.read_text().splitlines() if _step_of(l, resume_step + 1) <= resume_step]
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(l + "\n" for l in kept))
             _replace_atomically(tmp, path)
@@ -1149,12 +1189,14 @@ def update_ema(ema: SetDiffusionLM, model: SetDiffusionLM, decay: float, step: i
         e.lerp_(p.detach(), 1 - d)
 
 
-def save(path: Path, ema: SetDiffusionLM, model, tok, opt, state: dict, args) -> None:
+def save(path: Path, ema: SetDiffusionLM, model, tok, opt, state: dict, args,
+         resumable: bool = True) -> None:
     """Checkpoint = the EMA weights as the model (what validation scores and sample.py
-    loads), plus everything --resume needs: raw weights, optimizer, data position, step."""
+    loads), plus, if `resumable`, everything --resume needs: raw weights and optimizer
+    (best.pt leaves them out: they would triple its size and only ckpt.pt is resumed)."""
+    extra = dict(train_model=model.state_dict(), optimizer=opt.state_dict()) if resumable else {}
     try:
-        save_checkpoint(path, ema, tok, train_model=model.state_dict(), optimizer=opt.state_dict(),
-                        state=dict(state), args=args_for_checkpoint(args))
+        save_checkpoint(path, ema, tok, state=dict(state), args=args_for_checkpoint(args), **extra)
     except OSError as e:
         raise UserError(f"could not save {path}: {e.strerror or e} (the previous checkpoint is "
                         f"intact)") from None
@@ -1173,7 +1215,8 @@ def prepare_run(args, verbose: bool):
         tok = load_tokenizer(args.tokenizer)
     else:  # the checkpoint carries its tokenizer: no vocab file needed to resume
         tok = Tokenizer.from_spec(ckpt["tokenizer"])
-    rows, _ = prepare_data(args, tok, verbose)
+    rows, meta = prepare_data(args, tok, verbose)
+    rows["val_bytes_per_token"] = bytes_per_token(meta["splits"]["val"])
     return args, ckpt, tok, rows
 
 
@@ -1267,7 +1310,7 @@ def train(args, dist: Dist) -> None:
         if not dist.master:
             return
         m = validation_bound(ema, val_rows, tok, args.eval_orders, args.eval_rows,
-                             2 * micro, args.seed, dtype)
+                             2 * micro, args.seed, dtype, rows["val_bytes_per_token"])
         log.write(step=step, kind="val", **m)
         is_best = state["best"] is None or m["nll_per_token"] < state["best"]["nll_per_token"]
         if is_best:
@@ -1275,13 +1318,17 @@ def train(args, dist: Dist) -> None:
         tqdm.write(f"step {step:,}: val {format_bound(m)}{'  (best)' if is_best else ''}")
         save(args.out / "ckpt.pt", ema, model, tok, opt, state, args)
         if is_best:
-            save(args.out / "best.pt", ema, model, tok, opt, state, args)
+            save(args.out / "best.pt", ema, model, tok, opt, state, args, resumable=False)
 
     start, start_step = time.perf_counter(), state["step"]
     seconds_before = state["seconds"]
     bar = tqdm(total=args.max_steps, initial=state["step"], disable=not dist.master,
                unit="step", dynamic_ncols=True)
     running, window_start, window_steps = torch.zeros((), device=device), time.perf_counter(), 0
+    # Ctrl-C only raises a flag; it is acted on between steps, so a step is never cut in
+    # half (e.g. inside opt.step()) and the saved state describes whole steps only.
+    interrupted = []
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
         for step in range(state["step"], args.max_steps):
             # Every random draw of this step is seeded by (seed, step): exact resume.
@@ -1334,8 +1381,11 @@ def train(args, dist: Dist) -> None:
                 running.zero_()
                 window_start, window_steps = now, 0
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                t_eval = time.perf_counter()
                 evaluate_and_save(step + 1)
-                window_start = time.perf_counter()  # do not count validation as training time
+                window_start += time.perf_counter() - t_eval  # validation is not training time
+            if interrupted:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         # Ctrl-C: keep the finished steps. `state` describes the last completed step (a
         # half-done step is dropped), so --resume repeats nothing and skips nothing.
@@ -1347,6 +1397,7 @@ def train(args, dist: Dist) -> None:
                   f"continue with --resume --out {args.out}", file=sys.stderr, flush=True)
         raise
     finally:
+        signal.signal(signal.SIGINT, previous_handler)
         bar.close()
     if not dist.master:
         return
