@@ -1571,7 +1571,7 @@ def test_compare_smoke(tmp_path):
                    "--num-orders", 2, "--cache-dir", tmp_path / "cache")
     assert r.returncode == 0, r.stderr
     table = [l for l in r.stdout.splitlines() if l.startswith("| staggered d=4 |")]
-    assert len(table) == 1 + 3 + 1                    # bound, three thresholds, infill
+    assert len(table) == 1 + 5 + 1                    # bound, five thresholds, infill
     assert sum(l.startswith("| ar |") for l in r.stdout.splitlines()) == 1 + 1 + 1  # AR: one threshold
     # --eval without files: the run's own validation split, the numbers its log shows
     r = run_sample("--ckpt", tmp_path / "ar" / "best.pt", "--eval", "--eval-rows", 8, "--batch-size", 16,
