@@ -1099,12 +1099,17 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
                 done |= _stop_at_eos(cfg, xs, step_of, T)
     finally:
         model.train(was_training)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    synchronize(device)
     return Generation(xs[:, :T], step_of[:, :T].clamp(min=-2), nfe, steps.cpu(),
                       new_tokens.cpu(), time.perf_counter() - start)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock times measure the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _stop_at_eos(cfg, xs, step_of, T):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from setdiff import (Config, SetDiffusionLM, Tokenizer, elbo, generate, load_checkpoint,
-                     sample_order, save_checkpoint)
+                     sample_order, save_checkpoint, synchronize)
 
 
 class UserError(Exception):
@@ -1050,14 +1050,6 @@ def saved_activation_bytes(loss_fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn().backward()
     return total
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so wall-clock times measure the work itself."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def bench(args) -> None:
