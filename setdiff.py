@@ -569,6 +569,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    """Multi-head attention whose only structure is the explicit boolean mask it is given:
+    set-causality lives entirely in the mask (SPEC §3, §5), not in the layer."""
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
@@ -578,16 +581,23 @@ class Attention(nn.Module):
     def forward(self, h, positions, attn_mask, rotary, cache=None, layer=0):
         B, T, D = h.shape
         q, k, v = self.qkv(h).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, H, T, hd) each
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = rotary(q, positions), rotary(k, positions)      # original positions, any order
+        # With a cache, the keys are [cached revealed tokens | this call's tokens] and the
+        # mask's first columns say which cache slots are filled (SPEC §5).
         k_all, v_all = (k, v) if cache is None else cache.attend(layer, k, v)
+        # One mask for all heads: (B or 1, 1, T, T_keys), True = may attend.
         y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask[:, None],
                                            dropout_p=self.dropout if self.training else 0.0)
         if cache is not None:
+            # Only now may the clean tokens' keys/values join the cache: this layer's
+            # attention above had to see them as call tokens, not yet as cache entries.
             cache.write(layer, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
 
 
 class Block(nn.Module):
+    """Pre-LN transformer block (SPEC §6): x + Attn(LN(x)), then x + MLP(LN(x)), GELU x4."""
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
@@ -1076,20 +1086,25 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
     nfe = 0
     try:
         while not done.all():
+            # 1. the window: masked positions in [f, f + w) per row (finished rows: none)
             masked = (xs[:, :T] == cfg.mask_id) & ~done[:, None]            # (B, T)
             active = window_queries(masked, w, block)
+            # 2. one network call: logits for every query (and, cached, write last step's tokens)
             if use_cache:
                 logits, q_idx, q_valid = predict_cached(model, xs, pending, active, cache, T)
             else:
                 logits, q_idx, q_valid = predict_cache_free(model, xs, step_of, active, T)
+            # 3. a candidate and its confidence per query; 4. keep the confident ones
             cand, conf = draw_candidates(logits, temperature, top_p, generator)   # (B, m)
             reveal = commit_rule(conf, q_valid, threshold)                       # (B, m)
+            # 5. write the revealed tokens; they form this step's set (reveal step = nfe)
             masks_before = (xs[:, :T] == cfg.mask_id).sum(1)
             xs.scatter_(1, q_idx, torch.where(reveal, cand, xs.gather(1, q_idx)))
             if torch.any(((xs[:, :T] == cfg.mask_id).sum(1) >= masks_before) & q_valid.any(1)):
                 # Cannot happen with a correct commit rule (SPEC §7.5); better than an endless loop.
                 raise RuntimeError("a step revealed no token in a row that had queries")
             step_of.scatter_(1, q_idx, torch.where(reveal, nfe, step_of.gather(1, q_idx)))
+            # the next call writes exactly these tokens into the cache
             pending = torch.zeros_like(xs, dtype=torch.bool).scatter_(1, q_idx, reveal)[:, :T]
             steps += ~done
             new_tokens += reveal.sum(1)
