@@ -620,7 +620,7 @@ def load(args, device) -> tuple:
                              f"{str(e).splitlines()[0]}") from None
         weights = "the 'ema' weights"
     else:
-        weights = "EMA weights" if "train_model" in ckpt else "weights"
+        weights = "EMA weights" if (ckpt.get("args") or {}).get("ema", 0) > 0 else "weights"
     cfg = model.cfg
     state = ckpt.get("state") if isinstance(ckpt.get("state"), dict) else {}   # train_small's progress
     step = f", step {state['step']:,}" if "step" in state else ""
