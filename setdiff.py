@@ -519,12 +519,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angle.cos().float(), persistent=False)
         self.register_buffer("sin", angle.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None]                   # (B, 1, T, hd/2)
-        sin = self.sin[positions][:, None]
+    def angles(self, positions: torch.Tensor):
+        """cos, sin for position ids (B, T), each (B, 1, T, hd/2); looked up once per
+        network call and shared by every layer."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    @staticmethod
+    def forward(x: torch.Tensor, angles) -> torch.Tensor:
+        """Rotate x (..., B, H, T, hd) by the angles of its positions."""
+        cos, sin = angles
         # NOTE: rotate in (at least) float32 even under bf16 autocast: angles of late
         # positions lose their low bits in bf16.
-        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # (B, H, T, hd/2)
+        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # (..., hd/2)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -578,10 +584,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, h, positions, attn_mask, rotary, cache=None, layer=0):
+    def forward(self, h, angles, attn_mask, cache=None, layer=0):
         B, T, D = h.shape
-        q, k, v = self.qkv(h).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, H, T, hd) each
-        q, k = rotary(q, positions), rotary(k, positions)      # original positions, any order
+        qkv = self.qkv(h).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
+        q, k = Rotary.forward(qkv[:2], angles).unbind(0)       # original positions, any order
+        v = qkv[2]
         # With a cache, the keys are [cached revealed tokens | this call's tokens] and the
         # mask's first columns say which cache slots are filled (SPEC §5).
         k_all, v_all = (k, v) if cache is None else cache.attend(layer, k, v)
@@ -606,8 +613,8 @@ class Block(nn.Module):
                                  nn.Linear(4 * cfg.d_model, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, h, positions, attn_mask, rotary, cache=None, layer=0):
-        h = h + self.drop(self.attn(self.ln1(h), positions, attn_mask, rotary, cache, layer))
+    def forward(self, h, angles, attn_mask, cache=None, layer=0):
+        h = h + self.drop(self.attn(self.ln1(h), angles, attn_mask, cache, layer))
         return h + self.drop(self.mlp(self.ln2(h)))
 
 
@@ -642,8 +649,9 @@ class SetDiffusionLM(nn.Module):
     def run(self, tokens, positions, attn_mask, cache: KVCache | None = None):
         """tokens, positions (B, T); attn_mask (B or 1, T, T_keys) bool -> hidden (B, T, D)."""
         h = self.drop(self.tok_emb(tokens))                    # (B, T, D)
+        angles = self.rotary.angles(positions)                 # rotary cos/sin, shared by all layers
         for layer, block in enumerate(self.blocks):
-            h = block(h, positions, attn_mask, self.rotary, cache, layer)
+            h = block(h, angles, attn_mask, cache, layer)
         return self.ln_f(h)
 
     def logits(self, h):
@@ -1043,7 +1051,7 @@ def _prepare_canvas(cfg, prompt, infill, batch_size, max_new_tokens, device):
     return torch.cat([src, torch.full((src.shape[0], new), mask, device=device)], 1)
 
 
-@torch.no_grad()
+@torch.inference_mode()        # like no_grad, minus autograd's per-op bookkeeping
 def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 1,
              max_new_tokens: int | None = None, window: int | None = None,
              threshold: float = float("inf"), temperature: float = 1.0, top_p: float = 1.0,
@@ -1115,8 +1123,9 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
     finally:
         model.train(was_training)
     synchronize(device)
-    return Generation(xs[:, :T], step_of[:, :T].clamp(min=-2), nfe, steps.cpu(),
-                      new_tokens.cpu(), time.perf_counter() - start)
+    with torch.inference_mode(False):  # plain tensors out: they may feed a training forward
+        return Generation(xs[:, :T].clone(), step_of[:, :T].clamp(min=-2), nfe, steps.cpu().clone(),
+                          new_tokens.cpu().clone(), time.perf_counter() - start)
 
 
 def synchronize(device: torch.device) -> None:
