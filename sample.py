@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from setdiff import Config, SetDiffusionLM, Tokenizer, elbo, generate, load_checkpoint, max_window
 from train_small import (Dist, OneLineErrorParser, UserError, autocast, bytes_per_token,
-                         default_cache_dir, format_bound, pick_device, pick_dtype, prepare_data,
+                         default_cache_dir, describe_policy, format_bound, pick_device, pick_dtype, prepare_data,
                          text_rows, validation_bound)
 
 
@@ -608,25 +608,16 @@ def bench(args, model: SetDiffusionLM, device, dtype, source: str) -> None:
 # ----------------------------------------------------------------------------------------
 
 def load(args, device) -> tuple:
-    """Model and tokenizer from --ckpt, in eval mode. train_small.py saves its EMA weights
-    as the checkpoint's "model"; a checkpoint that carries a separate "ema" state dict
-    (save_checkpoint(..., ema=...)) is sampled with that instead."""
+    """Model, tokenizer and checkpoint dict from --ckpt, in eval mode. train_small.py saves
+    its EMA weights as the checkpoint's "model", so those are what gets sampled."""
     model, tok, ckpt = load_checkpoint(args.ckpt, device)
-    if isinstance(ckpt.get("ema"), dict):
-        try:
-            model.load_state_dict(ckpt["ema"])
-        except RuntimeError as e:
-            raise ValueError(f"{args.ckpt}: its 'ema' weights do not fit the model: "
-                             f"{str(e).splitlines()[0]}") from None
-        weights = "the 'ema' weights"
-    else:
-        weights = "EMA weights" if (ckpt.get("args") or {}).get("ema", 0) > 0 else "weights"
+    weights = "EMA weights" if (ckpt.get("args") or {}).get("ema", 0) > 0 else "weights"
     cfg = model.cfg
     state = ckpt.get("state") if isinstance(ckpt.get("state"), dict) else {}   # train_small's progress
     step = f", step {state['step']:,}" if "step" in state else ""
     print(f"model: {args.ckpt} ({weights}{step}): "
-          f"{model.num_params() / 1e6:.2f}M parameters, order {cfg.order} (d={cfg.set_size}, "
-          f"s={cfg.max_set_size}), L={cfg.seq_len}, largest window {max_window(cfg)}, tokenizer {tok.kind}")
+          f"{model.num_params() / 1e6:.2f}M parameters, order {describe_policy(cfg)}, L={cfg.seq_len}, "
+          f"largest window {max_window(cfg)}, tokenizer {tok.kind}")
     return model.eval(), tok, ckpt
 
 

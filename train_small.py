@@ -1157,6 +1157,13 @@ def learning_rate(args, step: int) -> float:
     return args.lr * min(1.0, (step + 1) / max(args.warmup_steps, 1))
 
 
+def describe_policy(cfg: Config) -> str:
+    """'staggered (d=4, s=8)', 'block (d=4)', 'ar', 'uniform': only the sizes that matter."""
+    if cfg.order == "staggered":
+        return f"staggered (d={cfg.set_size}, s={cfg.max_set_size})"
+    return f"block (d={cfg.set_size})" if cfg.order == "block" else cfg.order
+
+
 def model_config(args, tok: Tokenizer) -> Config:
     """The model's Config; the special ids come from the tokenizer, never from literals.
     Config checks its own invariants (d <= L, heads divide the width, ...): a violation
@@ -1279,8 +1286,7 @@ def train(args, dist: Dist) -> None:
     dist.print(f"device: {device} ({why_device}); autocast {str(dtype).replace('torch.', '')} "
                f"({why_dtype})")
     dist.print(f"model: {model.num_params() / 1e6:.2f}M parameters, n_layer {cfg.n_layer}, "
-               f"d_model {cfg.d_model}, {cfg.n_head} heads, L={cfg.seq_len}, order {cfg.order} "
-               f"(d={cfg.set_size}, s={cfg.max_set_size})")
+               f"d_model {cfg.d_model}, {cfg.n_head} heads, L={cfg.seq_len}, order {describe_policy(cfg)}")
     dist.print(f"batch: {G} rows/step = {micro} per forward x {accum} accumulation x "
                f"{dist.world} process{'es' if dist.world > 1 else ''}; {G * cfg.seq_len:,} tokens/step")
     if device.type == "cpu":
