@@ -19,6 +19,7 @@ the paper's sections.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -1204,3 +1205,65 @@ def load_checkpoint(path, device="cpu"):
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not match the saved config: {str(e).splitlines()[0]}") from None
     return model.to(device), tok, ckpt
+
+
+# ----------------------------------------------------------------------------------------
+# Running it: device and dtype with the reason, autocast, wrapped rows
+# ----------------------------------------------------------------------------------------
+
+def pick_device(name: str | None = None, local_rank: int = 0) -> tuple[torch.device, str]:
+    """`name` if given (checked), else the first of cuda -> mps -> cpu; and why.
+    A bare "cuda" means this process's GPU under torchrun (`local_rank`)."""
+    if name and name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"--device {name!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name}: MPS is not available on this machine")
+        if device.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"--device {name}: use cpu, cuda, cuda:N or mps")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+        return device, "requested with --device"
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank), "a CUDA GPU is available"
+    if torch.backends.mps.is_available():
+        return torch.device("mps"), "an Apple GPU (MPS) is available"
+    return torch.device("cpu"), "no GPU found"
+
+
+def pick_dtype(device: torch.device, name: str = "auto") -> tuple[torch.dtype, str]:
+    """Autocast dtype and why. Weights, optimizer state and EMA always stay float32."""
+    if name != "auto":
+        return getattr(torch, name), "requested with --dtype"
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16 autocast)"
+    if device.type == "cuda":
+        return torch.float32, "the GPU has no bf16 (float16 would need loss scaling)"
+    # NOTE: bf16 autocast on CPU depends on the chip (measured 0.64x float32 on a 2-core
+    # Xeon, 1.5x on an AVX512-BF16 EPYC): measure with `train_small.py --bench` first.
+    return torch.float32, f"bf16 autocast on {device.type} is not reliably faster (check with --bench)"
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def wrap_rows(stream, seq_len: int, bos: int, eos: int):
+    """LM1B "wrapped" rows: a token stream of sentences, each already followed by EOS, is cut
+    into chunks of L-2 tokens and every chunk becomes the row [BOS] + chunk + [EOS].
+    stream (N,) int array -> (rows (n, L) uint16, leftover (< L-2,) tokens for the next call)."""
+    import numpy as np
+    stream = np.asarray(stream, dtype=np.uint16)
+    body = seq_len - 2
+    n = len(stream) // body
+    rows = np.empty((n, seq_len), dtype=np.uint16)
+    rows[:, 0], rows[:, -1] = bos, eos
+    rows[:, 1:-1] = stream[:n * body].reshape(n, body)
+    return rows, stream[n * body:].copy()
