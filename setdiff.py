@@ -823,6 +823,19 @@ class Elbo:
     def bits_per_byte(self, num_bytes: int) -> float:
         return self.nll / math.log(2) / max(num_bytes, 1)
 
+    def metrics(self, num_bytes: int) -> dict:
+        """Everything a reported bound comes with, as a JSON-ready dict; `num_bytes` are the
+        bytes of source text the scored rows stand for (for bits per byte)."""
+        return {"ppl_bound": self.ppl, "nll_per_token": self.nll_per_token, "se": self.se,
+                "bits_per_byte": self.bits_per_byte(num_bytes), "num_orders": self.num_orders,
+                "tokens_scored": self.tokens, "rows": self.num_seqs, "bytes": num_bytes}
+
+    def line(self, num_bytes: int) -> str:
+        """The bound in one line, as training validation and `sample.py --eval` print it."""
+        return (f"ppl <= {self.ppl:.3f}  ({self.nll_per_token:.4f} +- {self.se:.4f} nats/token, "
+                f"{self.bits_per_byte(num_bytes):.4f} bits/byte; {self.num_seqs} rows, "
+                f"{self.tokens:,} tokens, {self.num_orders} order{'s' if self.num_orders > 1 else ''})")
+
 
 @torch.no_grad()
 def elbo(model: SetDiffusionLM, x: torch.Tensor, num_orders: int = 1, batch_size: int = 32,
