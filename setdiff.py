@@ -550,6 +550,7 @@ def generate(model: SetDiffusionLM, prompt=None, infill=None, batch_size: int = 
         # 3. a candidate per query; 4. the commit rule picks this step's set
         cand, conf = draw_candidates(logits, temperature, top_p, generator)  # (B, m)
         reveal = commit_rule(conf, q_valid, threshold)                      # (B, m)
+        require(not (q_valid.any(1) & ~reveal.any(1)).any(), "a step revealed no token")  # never loop forever
         xs.scatter_(1, q_idx, torch.where(reveal, cand, xs.gather(1, q_idx)))
         step_of.scatter_(1, q_idx, torch.where(reveal, nfe, step_of.gather(1, q_idx)))
         pending = torch.zeros_like(xs, dtype=torch.bool).scatter_(1, q_idx, reveal)[:, :T]
@@ -608,11 +609,11 @@ def load_checkpoint(path, device="cpu"):
     require(isinstance(ckpt, dict) and ckpt.get("format") == CHECKPOINT_FORMAT,
             f"{path} is not a setdiff checkpoint (format {CHECKPOINT_FORMAT} expected)")
     try:                                       # an unknown config field or weight: another version
-        model = SetDiffusionLM(Config(**ckpt["config"]))
+        model, tok = SetDiffusionLM(Config(**ckpt["config"])), Tokenizer.from_spec(ckpt["tokenizer"])
         model.load_state_dict(ckpt["model"], strict=True)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"{path}: config or weights do not match this setdiff.py: {str(e).splitlines()[0]}") from None
-    return model.to(device), Tokenizer.from_spec(ckpt["tokenizer"]), ckpt
+    return model.to(device), tok, ckpt
 
 def pick_device(name: str | None = None, local_rank: int = 0) -> tuple[torch.device, str]:
     """`name` if given (checked), else the first of cuda -> mps -> cpu; and why. A bare
@@ -627,7 +628,7 @@ def pick_device(name: str | None = None, local_rank: int = 0) -> tuple[torch.dev
 def pick_dtype(device: torch.device, name: str = "auto") -> tuple[torch.dtype, str]:
     """Autocast dtype and why. Weights, optimizer state and EMA always stay float32."""
     if name != "auto":
-        return getattr(torch, name), "requested with --dtype"
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name], "requested with --dtype"
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16 autocast)"
     # NOTE: bf16 autocast on a CPU depends on the chip (measured 0.64x float32 on a 2-core
@@ -672,7 +673,8 @@ class Tokenizer:
         else:
             self._ids = {piece: i for i, piece in enumerate(self._pieces)}  # piece -> id
             missing = ", ".join(t for t in _BERT_SPECIALS if t not in self._ids)
-            why = f"it has no {missing}" if missing else "a token appears twice" if len(self._ids) < len(self._pieces) else ""
+            why = f"it has no {missing}" if missing else "a token appears twice" if len(self._ids) < len(self._pieces) \
+                else "a blank line" if not all(map(str.strip, self._pieces)) else ""
             require(not why, f"{source} is not a BERT vocab ({why}): pass the vocab.txt of a BERT uncased model")
             # BERT's [CLS] starts and [SEP] ends a sentence: they serve as BOS and EOS.
             self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.mask_id = (self._ids[t] for t in _BERT_SPECIALS)
