@@ -1,19 +1,28 @@
 """Tests for setdiff.py in the file's order, each against an independent computation: a brute-force loop, a closed
 form, a worked example, or the slow reference path. CPU, float32 unless exactness needs float64."""
 
+import hashlib
 import json
 import math
+import os
+import random
 import re
+import signal
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import sample
 import setdiff
+import train_small
 from setdiff import (Config, Elbo, SetDiffusionLM, StaggeredSchedule, Tokenizer, elbo, generate,
-                     load_checkpoint, max_window, sample_order, save_checkpoint, set_causal_mask)
+                     load_checkpoint, max_window, sample_order, save_checkpoint, set_causal_mask, wrap_rows)
 
 BYTES = Tokenizer.bytes()
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads'
@@ -52,6 +61,106 @@ def decode_order_from_steps(reveal_step):
     """Full decode order from reveal steps: by (step, position); given tokens have step -1."""
     T = reveal_step.shape[1]
     return torch.argsort(reveal_step * (T + 1) + torch.arange(T), dim=1, stable=True)
+
+# helpers of the train_small.py tests
+
+TINY_RUN = ("--n-layer 1 --n-head 2 --d-model 32 --seq-len 32 --batch-size 8 --lr 3e-3 --warmup-steps 4 "
+            "--eval-rows 8 --workers 1 --log-every 4 --val-fraction 0.1").split()
+
+def write_corpus(path, lines=600, seed=0):  # short sentences that a tiny model learns in a few steps
+    rng, words = random.Random(seed), "the cat sat on a mat and a dog ran to the big red house under blue sky".split()
+    path.write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize() + ".\n"
+                            for _ in range(lines)))
+    return path
+
+def run_argv(tmp_path, out="run", *extra):
+    return ["--data", str(tmp_path / "corpus.txt"), "--cache-dir", str(tmp_path / "cache"),
+            "--out", str(tmp_path / out), *TINY_RUN, *extra]
+
+def logged(out, kind):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+def assert_one_error_line(err, needle):
+    """One 'error: ...' line on stderr (progress bars aside), no traceback."""
+    assert "Traceback" not in err, err
+    errors = [l for l in err.replace("\r", "\n").splitlines() if l.startswith("error")]
+    assert len(errors) == 1 and needle in errors[0], err
+    assert all("error" in l or "%|" in l or not l.strip() for l in err.replace("\r", "\n").splitlines()), err
+
+# helpers of the sample.py tests
+
+SAMPLE_L, TOK, LETTERS = 24, Tokenizer.bytes(), "abcdefghijklmnopqrstuvwxyz"
+
+VAL_TEXT = [f"the {w} sat on a mat." for w in ("cat", "dog", "fox", "owl", "hen", "ram")] * 3
+
+def letters_model(order: str = "staggered", eos_first: bool = False) -> SetDiffusionLM:
+    """A tiny random model (d=3, s=6) that writes lowercase letters only, so that given and
+    generated text can be told apart: the last LayerNorm puts +10 on hidden unit 0, which the
+    head maps to +3 for letters and -3 for every other id (eos_first: +5 for EOS)."""
+    cfg = Config(vocab_size=TOK.vocab_size, seq_len=SAMPLE_L, n_layer=2, n_head=2, d_model=32, dropout=0.0,
+                 order=order, set_size=3, pad_id=TOK.pad_id, bos_id=TOK.bos_id, eos_id=TOK.eos_id, mask_id=TOK.mask_id)
+    torch.manual_seed(0)
+    model = SetDiffusionLM(cfg)
+    with torch.no_grad():
+        for m in model.modules():           # a wide init: predictions depend on the context
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(m.weight, std=3 / m.weight.shape[1] ** 0.5)
+        [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)][-1].bias[0] = 10.0
+        torch.nn.init.normal_(model.head.weight, std=0.5)
+        model.head.weight[:, 0] = torch.tensor([3.0 if chr(i) in LETTERS else 5.0 if i == TOK.eos_id and eos_first
+                                                else -3.0 for i in range(TOK.vocab_size)])
+    return model.eval()
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Checkpoints as train_small.py writes them (step, val_rows), and text files to score."""
+    d = tmp_path_factory.mktemp("sample")
+    (d / "val.txt").write_text("\n".join(VAL_TEXT) + "\n")
+    (d / "empty.txt").write_text("")
+    (d / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 abc\n\x80\x80\xc3\n")
+    wrap_rows(np.arange(300) % 26 + ord("a"), SAMPLE_L, TOK.bos_id, TOK.eos_id)[0].tofile(d / "val.bin")
+    val = {"path": str(d / "val.bin"), "rows": 13, "bytes_per_token": 1.0}
+    for name, rows in [("st", val), ("ar", val), ("eos", val), ("gone", {**val, "path": "-"}),
+                       ("other", {**val, "path": str(d / "val.txt")})]:        # other data than the judge's
+        model = letters_model("ar" if name == "ar" else "staggered", eos_first=name == "eos")
+        save_checkpoint(d / f"{name}.pt", model, TOK, step=7, val_rows=rows)
+    save_checkpoint(d / "noval.pt", letters_model(), TOK)
+    (d / "cut.pt").write_bytes((d / "st.pt").read_bytes()[:2000])
+    torch.save({"model": {}}, d / "foreign.pt")
+    return d
+
+def run(capsys, *argv) -> tuple:
+    try:
+        code = sample.main([str(a) for a in argv])
+    except SystemExit as e:                                   # argparse errors
+        code = e.code
+    return (code, *capsys.readouterr())
+
+def ok(capsys, *argv) -> str:
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == "", err
+    return out
+
+def samples_of(out: str) -> list:   # [(header, text)] of every '--- sample i/n: ...' (one line of text here)
+    lines = out.splitlines()
+    return [(line, lines[i + 1]) for i, line in enumerate(lines) if line.startswith("--- sample ")]
+
+def calls_of(header: str) -> int:
+    return int(re.search(r": (\d+) network calls, [\d.]+ tokens/call, [\d,]+ tokens/s$", header).group(1))
+
+BAD_INPUT = [  # (arguments: {d} the checkpoint folder, {st} a good checkpoint; what stderr says)
+    ("--ckpt {d}/missing.pt", "not found"), ("--ckpt {d}/cut.pt", "truncated or corrupt"),
+    ("--ckpt {d}/foreign.pt", "not a setdiff checkpoint"), ("--prompt hello", "--ckpt"),
+    ("{st} --prompt " + "x" * SAMPLE_L, "leaves no room"), ("{st} --window 7", "window must be in"),  # s = 6
+    ("{st} --infill no-holes", "nothing to fill"), ("{st} --prompt a --infill [MASK]", "not allowed"),
+    ("{st} --eval {d}/missing.txt", "not a file"), ("{st} --eval {d}/empty.txt", "is empty"),
+    ("{st} --eval {d}/binary.txt", "UTF-8"), ("--ckpt {d}/noval.pt --eval", "pass --eval FILE"),
+    ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"), ("{st} --num-samples 0", "must be at least 1"),
+    ("{st} --span-len two", "invalid integer"), ("{st} --temperature -1", "temperature"),
+    ("{st} --device nonsense", "--device"), ("{st} --no-such-flag", "unrecognized"),
+    ("--compare {d}/st.pt --judge {d}/st.pt", "--order ar"),
+    ("--compare {d}/other.pt --judge {d}/ar.pt", "not trained on the data"),
+]
 
 # ---------------------------------------------------------------------------- config
 
@@ -594,3 +703,298 @@ def test_from_vocab_rejects_bad_files(tmp_path, content, match):
         path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
         Tokenizer.from_vocab(path)
+
+# ---- train_small.py ------------------------------------------------------------------
+
+def test_wrapped_rows_equal_hand_built_rows(tmp_path):
+    """EOS after each sentence, chunks of L-2, [BOS] + chunk + [EOS], the tail dropped."""
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"ab\n\ncde\r\n  f  \nghij\n")   # a blank line is no sentence; CRLF and spaces go
+    rows, meta = train_small.prepare_rows([(f, "train")], Tokenizer.bytes(), 6, tmp_path / "c", verbose=False)
+    B, E = Tokenizer.bytes().bos_id, Tokenizer.bytes().eos_id
+    a, b, c, d, e, f_, g, h, i = map(ord, "abcdefghi")
+    # stream a b E c d e E f E g h i j E -> [a b E c] [d e E f] [E g h i], tail [j E] dropped
+    np.testing.assert_array_equal(rows["train"], [[B, a, b, E, c, E], [B, d, e, E, f_, E], [B, E, g, h, i, E]])
+    assert rows["train"].dtype == np.uint16
+    assert meta["splits"]["train"] == {"rows": 3, "lines": 4, "tokens": 14, "text_bytes": 14}
+
+def test_held_out_lines_by_content_hash_and_every_row_bos_eos(tmp_path):
+    corpus, tok = write_corpus(tmp_path / "corpus.txt"), Tokenizer.bytes()
+    rows, meta = train_small.prepare_rows([(corpus, "hash")], tok, 32, tmp_path / "c", 0.1, verbose=False)
+    lines = corpus.read_bytes().splitlines()
+    held = [l for l in lines if int.from_bytes(hashlib.blake2b(l, digest_size=8).digest(), "little") < 0.1 * 2**64]
+    for side, expected in (("val", held), ("train", [l for l in lines if l not in held])):
+        r = np.asarray(rows[side])
+        assert (r[:, 0] == tok.bos_id).all() and (r[:, -1] == tok.eos_id).all()
+        stream = bytes(np.where(r[:, 1:-1] == tok.eos_id, ord("\n"), r[:, 1:-1]).astype(np.uint8).ravel())
+        assert b"".join(l + b"\n" for l in expected).startswith(stream)   # in file order, only the tail cut
+        assert meta["splits"][side]["lines"] == len(expected) and sum(len(l) + 1 for l in expected) - len(stream) < 30
+
+def test_row_cache_reused_and_rebuilt_on_changed_input(tmp_path, capsys):
+    corpus, tok, cache = write_corpus(tmp_path / "corpus.txt"), Tokenizer.bytes(), tmp_path / "c"
+    rows1, meta1 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    built, _ = Path(rows1["train"].filename), capsys.readouterr()
+    stamp = built.stat().st_mtime_ns
+    rows2, meta2 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    assert "reusing" in capsys.readouterr().out and built.stat().st_mtime_ns == stamp and meta2 == meta1
+    with open(corpus, "a") as f:
+        f.write("A brand new sentence that was not there before.\n" * 20)
+    rows3, meta3 = train_small.prepare_rows([(corpus, "train")], tok, 32, cache)
+    assert "reusing" not in capsys.readouterr().out
+    assert meta3["splits"]["train"]["lines"] == meta1["splits"]["train"]["lines"] + 20
+    assert meta3["sources"][0]["size"] == corpus.stat().st_size and len(rows3["train"]) > len(rows1["train"])
+    assert not list(cache.rglob("*.tmp-*"))
+
+def test_parallel_tokenization_equals_serial(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=3000)
+    serial, _ = train_small.prepare_rows([(corpus, "hash")], Tokenizer.bytes(), 32, tmp_path / "a", 0.1, 1, False)
+    monkeypatch.setattr(train_small, "CHUNK_BYTES", 4096)   # ~30 chunks over 2 spawned workers
+    parallel, _ = train_small.prepare_rows([(corpus, "hash")], Tokenizer.bytes(), 32, tmp_path / "b", 0.1, 2, False)
+    for side in ("train", "val"):
+        np.testing.assert_array_equal(serial[side], parallel[side])
+
+def test_bad_lines_are_skipped_and_counted(tmp_path):
+    f, long_line = tmp_path / "t.txt", b"x" * 300_000
+    f.write_bytes(b"ok one\r\n\xff\xfe broken\nnul \x00 byte\n" + long_line + b"\nok two\n")
+    rows, meta = train_small.prepare_rows([(f, "train")], Tokenizer.bytes(), 8, tmp_path / "c", verbose=False)
+    stream = np.frombuffer(b"ok one\n" + long_line + b"\nok two\n", np.uint8).astype(np.uint16)
+    body = np.where(stream == ord("\n"), Tokenizer.bytes().eos_id, stream)[: len(stream) // 6 * 6].reshape(-1, 6)
+    np.testing.assert_array_equal(np.asarray(rows["train"])[:, 1:-1], body)
+    assert meta["bad_lines"] == 2 and meta["splits"]["train"]["lines"] == 3
+
+def test_builtin_corpus_is_deterministic_prose(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)  # test folders are skipped
+    (pkg / "tests" / "t.py").write_text('"""Tests are skipped entirely by the walk over the tree."""\n')
+    (pkg / "b.py").write_text('"""A file that does not parse is skipped, whatever it says."""\nprint "x"\n')
+    (pkg / "c.py").write_text('def f():\n    """The first module has a sentence that is long enough."""\n'
+                              'def g():\n    """A third file adds one more sentence of plain prose."""\n')
+    (pkg / "a.py").write_text('''"""The first module has a sentence that is long enough. Too short.
+Parameters
+----------
+x : int
+    An indented description that is never kept in the corpus.
+
+>>> f(1)  # a doctest line is dropped as well, whatever it says.
+"""
+class C:
+    """Returns a :class:`Tensor` with ``x`` values in every row. Calls f(x) in its code here.
+
+    Uses numpy.sum inside a sentence that is otherwise fine."""''')
+    a = train_small.builtin_corpus(tmp_path, roots=[pkg])
+    assert a.read_text().splitlines() == ["The first module has a sentence that is long enough.",
+                                          "Returns a Tensor with x values in every row.",
+                                          "A third file adds one more sentence of plain prose."]
+    assert np.__version__ in a.name and torch.__version__ in a.name       # versions name the cache
+    b = train_small.builtin_corpus(tmp_path, roots=[pkg], out=tmp_path / "b.txt")
+    assert b.read_bytes() == a.read_bytes()
+
+def test_train_resume_and_ctrl_c_are_exact(tmp_path, monkeypatch, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    steps = ["--eval-every", "8", "--max-steps"]
+    assert train_small.main(run_argv(tmp_path, "straight", *steps, "16")) == 0
+    straight = tmp_path / "straight"
+    loss = [m["loss"] for m in logged(straight, "train")]
+    assert len(loss) == 4 and loss[-1] < loss[0] - 0.5                       # it learns
+    val = logged(straight, "val")
+    assert [v["step"] for v in val] == [8, 16] and all(v["bytes"] == v["rows"] * 30 for v in val)
+    assert train_small.main(run_argv(tmp_path, "split", *steps, "8")) == 0
+    resume = ["--resume", "--cache-dir", str(tmp_path / "cache"), "--max-steps", "16", "--out"]
+    assert train_small.main([*resume, str(tmp_path / "split")]) == 0
+    assert [m["loss"] for m in logged(tmp_path / "split", "train")] == loss   # same losses, no duplicates
+    real, sent = train_small.learning_rate, []
+    def ctrl_c_at_step_5(args, step):  # a real SIGINT in the middle of step 5
+        if step == 5 and not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        return real(args, step)
+    monkeypatch.setattr(train_small, "learning_rate", ctrl_c_at_step_5)
+    assert train_small.main(run_argv(tmp_path, "cut", *steps, "16")) == 130
+    assert "interrupted at step 6" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "cut" / "ckpt.pt")[2]["step"] == 6
+    assert train_small.main([*resume, str(tmp_path / "cut")]) == 0
+    ref = load_checkpoint(straight / "ckpt.pt")[2]
+    assert ref["step"] == 16 and ref["tokens"] == 16 * 8 * 32 and ref["args"]["n_layer"] == 1
+    assert ref["val_rows"]["bytes_per_token"] == 1.0
+    val_file = np.memmap(ref["val_rows"]["path"], np.uint16, "r").reshape(-1, 32)
+    assert len(val_file) == ref["val_rows"]["rows"] and (val_file[:, 0] == Tokenizer.bytes().bos_id).all()
+    for run in ("split", "cut"):
+        other = load_checkpoint(tmp_path / run / "ckpt.pt")[2]
+        for key in ("train_model", "model"):                                    # raw and EMA weights
+            assert all(torch.equal(v, other[key][k]) for k, v in ref[key].items()), (run, key)
+    assert "optimizer" not in load_checkpoint(straight / "best.pt")[2]
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    assert train_small.main(run_argv(tmp_path, "run", "--max-steps", "4", "--eval-every", "4")) == 0
+    before, _ = (tmp_path / "run" / "ckpt.pt").read_bytes(), capsys.readouterr()
+    def disk_full(obj, f, *a, **k):  # what torch.save raises on a full disk, after a partial write
+        open(f, "wb").write(b"partial")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed (No space left on device)")
+    monkeypatch.setattr(torch, "save", disk_full)
+    assert train_small.main(["--resume", "--out", str(tmp_path / "run"), "--max-steps", "8",
+                             "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert_one_error_line(capsys.readouterr().err, "No space left on device")
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+
+@pytest.mark.parametrize("case,flags,needle", [
+    ("missing", ["--data", "nope.txt"], "no such file"), ("glob", ["--data", "nope-*.txt"], "matches no file"),
+    ("empty", ["--data", "corpus.txt", "empty.txt"], "is empty"), ("binary", ["--data", "blob.bin"], "not look like text"),
+    ("too small", ["--data", "small.txt"], "needs 30"), ("bad vocab", ["--tokenizer", "vocab.txt"], "not a BERT vocab"),
+    ("missing vocab", ["--tokenizer", "none.txt"], "does not exist"), ("unknown flag", ["--no-such"], "unrecognized"),
+    ("resume nothing", ["--resume", "--out", "elsewhere"], "no checkpoint"), ("set size", ["--set-size", "99"], "set_size"),
+    ("eval every", ["--eval-every", "0"], "at least 1"), ("device", ["--device", "nonsense"], "--device 'nonsense'"),
+    ("held run", ["--no-force"], "already holds a run")])
+def test_bad_input_one_line_exit_2_nothing_touched(tmp_path, monkeypatch, capsys, case, flags, needle):
+    monkeypatch.chdir(write_corpus(tmp_path / "corpus.txt").parent), (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "blob.bin").write_bytes(bytes(random.Random(0).randrange(128, 256) for _ in range(5000)))
+    (tmp_path / "small.txt").write_text("Only a few words.\n"), (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n")
+    (tmp_path / "run").mkdir(), (tmp_path / "run" / "ckpt.pt").write_bytes(b"an older run")
+    force = [] if flags == ["--no-force"] else ["--force"]
+    argv = ["--data", "corpus.txt", "--cache-dir", "cache", "--out", "run", *TINY_RUN, "--max-steps", "2",
+            *force, *[f for f in flags if f != "--no-force"]]
+    assert train_small.main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, needle)
+    assert sorted(os.listdir(tmp_path / "run")) == ["ckpt.pt"]
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == b"an older run"
+
+def test_resume_refuses_changed_settings_and_a_cut_off_log_line(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    assert train_small.main(run_argv(tmp_path, "run", "--max-steps", "4", "--eval-every", "4")) == 0
+    capsys.readouterr()
+    resume = ["--resume", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]
+    assert train_small.main([*resume, "--n-layer", "2"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "--n-layer 2 differs from the resumed run's 1")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "kind": "train"}\n{"step": 1')                   # after the checkpoint; cut off
+    assert train_small.main([*resume, "--max-steps", "6", "--log-every", "2"]) == 0
+    assert [m["step"] for m in logged(tmp_path / "run", "train")] == [4, 6]
+
+def test_torchrun_two_gloo_processes_match_one_process(tmp_path):
+    write_corpus(tmp_path / "corpus.txt")
+    common = ["--global-batch", "8", "--max-steps", "6", "--eval-every", "6", "--log-every", "1"]
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=Path(train_small.__file__).parent, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, timeout=300)
+    one = run("train_small.py", *run_argv(tmp_path, "one", *common))
+    two = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_small.py",
+              *run_argv(tmp_path, "two", *common))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "4 per forward x 1 accumulation x 2 process" in two.stdout and two.stdout.count("done:") == 1
+    np.testing.assert_allclose([m["loss"] for m in logged(tmp_path / "two", "train")],
+                               [m["loss"] for m in logged(tmp_path / "one", "train")], rtol=1e-4)
+    w1, w2 = (load_checkpoint(tmp_path / o / "ckpt.pt")[2]["train_model"] for o in ("one", "two"))
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+
+def test_bench_prints_the_table(capsys):
+    assert train_small.main(["--bench", *TINY_RUN[:10], "--bench-steps", "1", "--bench-repeats", "1"]) == 0
+    rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines() if l.startswith("| ") and "x |" in l]
+    assert [r[0].strip() for r in rows] == ["float32", "float32", "bfloat16", "bfloat16"]
+    for set_row, ar_row in (rows[0:2], rows[2:4]):
+        ms_set, ms_ar = float(set_row[2]), float(ar_row[2])   # printed to 0.1 ms, the ratio to 0.01
+        tol = 0.006 + 0.05 * (1 / ms_set + 1 / ms_ar) * ms_set / ms_ar
+        assert float(set_row[4].strip()[:-1]) == pytest.approx(ms_set / ms_ar, abs=tol)
+
+def test_bench_ar_loss_equals_prefix_by_prefix_next_token_loss():
+    """The AR baseline is a true causal LM: each prefix fed alone gives the same loss."""
+    torch.manual_seed(0)
+    model = SetDiffusionLM(Config(seq_len=10, n_layer=2, n_head=2, d_model=32, dropout=0.0))
+    torch.nn.init.normal_(model.head.weight)                                  # not the zero init
+    x = torch.cat([torch.full((2, 1), Tokenizer.bytes().bos_id), torch.randint(0, 256, (2, 9))], 1)
+    nll = [-torch.log_softmax(model.logits(model.run(x[b:b + 1, :i + 1], torch.arange(i + 1)[None],
+                                                     torch.ones(i + 1, i + 1, dtype=torch.bool).tril()[None]))[0, -1],
+                              -1)[x[b, i + 1]] for b in range(2) for i in range(9)]
+    assert torch.allclose(train_small.ar_loss(model, x), torch.stack(nll).mean(), atol=1e-5)
+
+# ---- sample.py -----------------------------------------------------------------------
+
+def test_sample_unconditional_and_prompt_with_speed_lines(ckpts, capsys):
+    args = ("--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
+    out = ok(capsys, *args)
+    found = [t for h, t in samples_of(out) if calls_of(h) > 0]
+    assert [h[:15] for h, _ in samples_of(out)] == [f"--- sample {i}/3:" for i in (1, 2, 3)]
+    assert all(re.fullmatch(f"[a-z]{{{SAMPLE_L - 1}}}", t) for t in found) and len(set(found)) == 3
+    assert "=== batch of 2: " in out and [t for _, t in samples_of(ok(capsys, *args))] == found   # --seed
+    assert [t for _, t in samples_of(ok(capsys, *args, "--seed", 1))] != found
+    (header, text), = samples_of(ok(capsys, "--ckpt", ckpts / "st.pt", "--prompt", "Hi, you", "--max-new-tokens", 9))
+    assert re.fullmatch(r"Hi, you[a-z]{9}", text) and calls_of(header) == 9    # tau > 1: one token a call
+
+@pytest.mark.parametrize("template,pattern", [("A [MASK]. B [MASK][MASK]!", r"A [a-z]\. B [a-z]{2}!"),
+                                              ("X ___ Y", r"X [a-z]{3} Y"), ("___5 Z ___2", r"[a-z]{5} Z [a-z]{2}")])
+def test_sample_infill_fills_only_the_holes(ckpts, capsys, template, pattern):
+    out = ok(capsys, "--ckpt", ckpts / "st.pt", "--infill", template, "--span-len", 3, "--threshold", 0.5,
+             "--num-samples", 2)
+    texts = [t for _, t in samples_of(out)]
+    assert len(texts) == 2 and all(re.fullmatch(pattern, t) for t in texts), texts
+
+def test_sample_show_order_marks_every_set(ckpts, capsys):
+    out = ok(capsys, "--ckpt", ckpts / "st.pt", "--prompt", "Go", "--threshold", 0.3, "--temperature", 0,
+             "--window", 6, "--show-order")
+    (header, text), = samples_of(out)
+    picture, summary = out.split("--- decode order:\n")[1].splitlines()[:2]
+    runs = [(t, int(s)) for t, s in re.findall(r"\[([a-z]+)\](\d+)", picture)]
+    assert picture == "Go" + "".join(f"[{t}]{s}" for t, s in runs) and "Go" + "".join(t for t, _ in runs) == text
+    sizes = [sum(len(t) for t, s in runs if s == step) for step in range(calls_of(header))]
+    assert min(sizes) >= 1 and max(sizes) > 1 and sum(sizes) == SAMPLE_L - 3       # every call one set
+    assert summary == "--- network calls revealed: " + ", ".join(
+        f"{sizes.count(n)} x {n} token{'s' * (n > 1)}" for n in sorted(set(sizes)))
+    ids, steps = [TOK.bos_id, *b"abcde", TOK.eos_id, TOK.pad_id], [-1, -1, -1, 1, 1, 0, 2, -2]
+    assert sample.decode_order(TOK, ids, steps, colour=False).splitlines()[1:] == [
+        "ab[cd]1[e]0[\\n]2", "--- network calls revealed: 2 x 1 token, 1 x 2 tokens"]
+    coloured = sample.decode_order(TOK, ids, steps, colour=True).splitlines()[1]
+    assert re.sub(r"\033\[[\d;]*m", "", coloured) == "abcd1e0\\n2" and coloured.count("\033[30;") == 3
+
+def test_sample_stop_at_eos(ckpts, capsys):
+    """EOS beats every letter: with --stop-at-eos the sample ends at its first generated EOS."""
+    common = ("--ckpt", ckpts / "eos.pt", "--prompt", "Hi", "--temperature", 0)
+    (header, text), = samples_of(ok(capsys, *common, "--stop-at-eos"))
+    (full, _), = samples_of(ok(capsys, *common))
+    assert text == "Hi" and calls_of(header) < calls_of(full) == SAMPLE_L - 3
+
+def test_sample_no_cache_gives_the_same_output(ckpts, capsys, monkeypatch):
+    common = ("--ckpt", ckpts / "st.pt", "--temperature", 0, "--threshold", 0.4, "--window", 6,
+              "--num-samples", 2, "--prompt", "Q")
+    cached, caches = samples_of(ok(capsys, *common)), []
+    monkeypatch.setattr(setdiff, "KVCache", lambda *a, **k: caches.append(1))
+    free = samples_of(ok(capsys, *common, "--no-cache"))
+    assert not caches and [t for _, t in free] == [t for _, t in cached]       # no cache was built
+    assert [calls_of(h) for h, _ in free] == [calls_of(h) for h, _ in cached]
+
+def test_sample_eval_equals_the_bound_on_wrapped_rows(ckpts, capsys):
+    out = ok(capsys, "--ckpt", ckpts / "st.pt", "--eval", ckpts / "val.txt", "--num-orders", 2)
+    stream, body = [i for line in VAL_TEXT for i in TOK.encode(line) + [TOK.eos_id]], SAMPLE_L - 2   # by hand
+    rows = torch.tensor([[TOK.bos_id, *stream[k:k + body], TOK.eos_id] for k in range(0, len(stream) - body + 1, body)])
+    res = elbo(letters_model(), rows, num_orders=2, generator=torch.Generator().manual_seed(0))
+    assert f"val {res.line(len(rows) * body)}" in out        # bytes tokenizer: L-2 source bytes a row
+    out = ok(capsys, "--ckpt", ckpts / "st.pt", "--eval", "--eval-rows", 4, "--batch-size", 2, "--seed", 3)
+    val = torch.from_numpy(np.fromfile(ckpts / "val.bin", dtype=np.uint16).astype(np.int64)).view(-1, SAMPLE_L)
+    res = elbo(letters_model(), val[:4], num_orders=1, generator=torch.Generator().manual_seed(3))
+    assert f"val {res.line(4 * body)}" in out and "validation split" in out   # no FILE: the run's val_rows
+
+def test_sample_bench_tiny_runs_as_a_script():
+    r = subprocess.run([sys.executable, "sample.py", "--bench", "--bench-tiny"], capture_output=True, text=True,
+                       cwd=os.path.dirname(sample.__file__), env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert all(s in r.stdout for s in ("machine:", "command: python sample.py --bench --bench-tiny", "L=32"))
+    table = re.findall(r"^\| (cached|cache-free|w=[ds]=\d)[^|]* \|( [\d.,]+ \|){4} [\d.]+x \|$", r.stdout, re.M)
+    assert len(table) == 10 and re.findall(r"identical outputs: (\w+)", r.stdout) == ["yes", "yes"]
+
+def test_sample_compare_smoke(ckpts, capsys):
+    out = ok(capsys, "--compare", ckpts / "ar.pt", ckpts / "st.pt", "--judge", ckpts / "ar.pt",
+             "--compare-samples", 2, "--eval-rows", 4)
+    assert len(re.findall(r"^\| staggered d=3 \|", out, re.M)) == 1 + 5 + 1     # bound, five thresholds, infill
+    assert len(re.findall(r"^\| ar \|", out, re.M)) == 1 + 1 + 1                 # AR: one threshold
+    assert re.search(r"^\| ar \| [\d.]+ \| [\d.]+ \+- [\d.]+ \| [\d.]+ \| 4 \| 92 \|$", out, re.M)  # K=4, 4 x 23
+
+def test_statistics_closed_forms():
+    assert sample.entropy_bits(torch.tensor([1, 1, 1, 1])) == pytest.approx(2.0)
+    assert sample.entropy_bits(torch.tensor([2, 2, 0, 4])) == pytest.approx(1.5)      # 1/4, 1/4, 1/2
+    assert sample.unigram_entropy(torch.tensor([[TOK.bos_id, 7, 7], [TOK.bos_id, 7, 7]])) == 0.0  # BOS left out
+    judge, x = letters_model("ar"), torch.tensor([[TOK.bos_id, *TOK.encode("the cat sat on the mat, it sat")[:23]]])
+    logp = torch.log_softmax(judge(x, torch.arange(SAMPLE_L)[None]).double(), -1)
+    nll = -logp[:, 1:].gather(-1, x[:, 1:, None]).mean()
+    assert sample.judge_ppl(judge, x) == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+@pytest.mark.parametrize("argv,message", BAD_INPUT)
+def test_sample_bad_input(ckpts, capsys, argv, message):
+    code, _, err = run(capsys, *argv.format(d=ckpts, st=f"--ckpt {ckpts}/st.pt").split())
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in err, err
