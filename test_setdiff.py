@@ -704,7 +704,7 @@ def test_from_vocab_rejects_bad_files(tmp_path, content, match):
     with pytest.raises(ValueError, match=match):
         Tokenizer.from_vocab(path)
 
-# ---- train_small.py ------------------------------------------------------------------
+# ---------------------------------------------------------------------------- train_small.py
 
 def test_wrapped_rows_equal_hand_built_rows(tmp_path):
     """EOS after each sentence, chunks of L-2, [BOS] + chunk + [EOS], the tail dropped."""
@@ -905,7 +905,7 @@ def test_bench_ar_loss_equals_prefix_by_prefix_next_token_loss():
                               -1)[x[b, i + 1]] for b in range(2) for i in range(9)]
     assert torch.allclose(train_small.ar_loss(model, x), torch.stack(nll).mean(), atol=1e-5)
 
-# ---- sample.py -----------------------------------------------------------------------
+# ---------------------------------------------------------------------------- sample.py
 
 def test_sample_unconditional_and_prompt_with_speed_lines(ckpts, capsys):
     args = ("--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
