@@ -5,17 +5,19 @@
     python sample.py --ckpt out/best.pt --infill "The [MASK][MASK]t sat on ___12 mat."
     python sample.py --ckpt out/best.pt --eval valid.txt --num-orders 4   # likelihood bound
     python sample.py --ckpt out/best.pt --eval                            # the run's validation split
-    python sample.py --compare runs/*/best.pt --judge runs/cmp-ar/best.pt # the results table
+    python sample.py --compare runs/*/best.pt --judge runs/ar/best.pt --json cmp.json  # results
+    python sample.py --ckpt out/best.pt --order-stats                     # what an order shows
     python sample.py --bench                                              # sampler speed
 """
-import argparse, array, collections, datetime, glob, os, pathlib, platform, re, shlex, statistics, sys
+import argparse, array, collections, dataclasses, datetime, glob, json, os, pathlib, platform, re, shlex, statistics
+import sys, time
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from setdiff import (Config, SetDiffusionLM, Tokenizer, autocast, elbo, generate, load_checkpoint,
-                     max_window, pick_device, pick_dtype, wrap_rows)
+from setdiff import (Config, Generation, KVCache, SetDiffusionLM, Tokenizer, autocast, draw_candidates, elbo, generate,
+                     load_checkpoint, max_window, pick_device, pick_dtype, sample_order, synchronize, wrap_rows)
 
 # ---- Command line ----------------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
@@ -29,49 +31,38 @@ def at_least(low: int):
         return int(text)
     return integer
 
-# The random model --bench times without --ckpt: train_small.py's CPU preset shape, or a toy.
-BENCH_SHAPES = {"cpu": dict(seq_len=128, n_layer=4, n_head=4, d_model=256, set_size=4, max_set_size=None),
-                "tiny": dict(seq_len=32, n_layer=1, n_head=2, d_model=32, set_size=4, max_set_size=None)}
-
 def build_parser() -> Parser:
     p = Parser(description=__doc__.split("\n")[0], epilog="examples:\n" + __doc__.split("\n\n")[1],
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", metavar="PATH", help="checkpoint written by train_small.py (its EMA weights)")
     m = p.add_mutually_exclusive_group().add_argument
     m("--prompt", metavar="TEXT", help="text to continue (BOS is prepended)")
-    m("--infill", metavar="TEXT", help="holes to fill, the rest is kept: [MASK] is one position (a byte or "
-      "a word piece), ___ a span of --span-len positions, ___N a span of N")
-    m("--eval", nargs="*", metavar="FILE", help="the bound on text files, or with no FILE on the run's validation "
-      "split (its log line again with its --eval-rows, --num-orders, --seed, --batch-size 2 x micro-batch)")
+    m("--infill", metavar="TEXT", help="text with holes to fill: [MASK] one position, ___N a span of N, ___ --span-len")
+    m("--eval", nargs="*", metavar="FILE", help="the bound on text files; no FILE: on the run's validation rows")
     m("--compare", nargs="+", metavar="CKPT", help="the results table of these checkpoints, scored by --judge")
-    m("--bench", action="store_true", help="time the sampler on --ckpt or on a random model")
+    m("--order-stats", action="store_true", help="what --ckpt's orders (and ar, block, uniform) show a position")
+    m("--bench", action="store_true", help="time the sampler of --ckpt beside a plain causal decoder")
     g = p.add_argument_group("sampling").add_argument
     g("--num-samples", type=at_least(1), default=1, metavar="N", help="samples to draw (1)")
     g("--batch-size", type=at_least(1), metavar="B", help="rows per network call (all samples; --eval: 32)")
     g("--max-new-tokens", type=at_least(1), metavar="N", help="tokens to generate (default: fill the context)")
     g("--span-len", type=at_least(1), default=8, metavar="N", help="positions of a bare ___ (8)")
-    g("--window", type=int, metavar="W", help="masked positions predicted per call, from the leftmost; at most "
-      "the largest window of the policy (default: d for staggered generation, else the largest)")
-    g("--threshold", type=float, default=float("inf"), metavar="TAU", help="reveal the most confident "
-      "candidate and all with probability >= TAU (default inf: one per call)")
+    g("--window", type=int, metavar="W", help="queries per call from the leftmost masked (staggered: d, else largest)")
+    g("--threshold", type=float, default=float("inf"), metavar="TAU", help="reveal the top one and all >= TAU (inf)")
     g("--temperature", type=float, default=1.0, metavar="T", help="softmax temperature, 0 = greedy (1)")
     g("--top-p", type=float, default=0.9, metavar="P", help="nucleus sampling, 1 = off (0.9)")
     g("--seed", type=int, default=0, metavar="N", help="seed of the samples and of the --eval orders (0)")
     g("--stop-at-eos", action="store_true", help="end a sample at its first generated EOS")
-    g("--no-cache", action="store_true", help="the cache-free reference sampler (slow; same greedy tokens)")
     g("--show-order", action="store_true", help="mark the tokens revealed by network call N: [text]N")
     g = p.add_argument_group("evaluation and comparison").add_argument
     g("--num-orders", type=at_least(1), default=1, metavar="K", help="decode orders a row (1; --compare >= 4)")
     g("--eval-rows", type=at_least(0), default=0, metavar="N", help="score the first N rows (0: all)")
     g("--judge", metavar="CKPT", help="ar checkpoint: its exact likelihood scores the rows of --compare")
     g("--compare-samples", type=at_least(1), default=64, metavar="N", help="samples a model and threshold (64)")
-    g = p.add_argument_group("benchmark").add_argument
+    g("--json", metavar="PATH", help="--compare: also write the results here (the data of the README's figures)")
+    g = p.add_argument_group("benchmark and device").add_argument
     g("--bench-repeats", type=at_least(1), default=3, metavar="N", help="interleaved runs a variant (3)")
     g("--bench-batch-sizes", type=at_least(1), nargs="+", default=[1, 16], metavar="B", help="batch sizes (1 16)")
-    g("--bench-tiny", action="store_true", help="a seconds-long smoke run on a toy model")
-    for name, default in BENCH_SHAPES["cpu"].items():
-        g("--" + name.replace("_", "-"), type=at_least(1), help=f"{name} of the random model ({default or '2d'})")
-    g = p.add_argument_group("device").add_argument
     g("--device", help="cpu, cuda, cuda:N or mps (default: the first of cuda, mps, cpu available)")
     g("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast dtype (auto)")
     return p
@@ -105,11 +96,9 @@ def infill_ids(text: str, tok: Tokenizer, span_len: int) -> list:
         raise ValueError("--infill has nothing to fill: mark positions with [MASK] (one each) or ___ / ___N")
     return ids
 
-COLOURS = ("\033[30;46m", "\033[30;43m", "\033[30;42m", "\033[30;45m", "\033[30;44m", "\033[30;41m")
-
-def decode_order(tok: Tokenizer, ids: list, steps: list, colour: bool) -> str:
+def decode_order(tok: Tokenizer, ids: list, steps: list) -> str:
     """Each run of neighbouring tokens revealed by one network call marked with the call's number,
-    [text]N (a colour per call on a terminal); given text plain, EOS as \\n. Then the set sizes."""
+    [text]N; given text plain, EOS as \\n. Then the set sizes."""
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i < len(ids) and steps[i] == steps[start]:
@@ -118,9 +107,7 @@ def decode_order(tok: Tokenizer, ids: list, steps: list, colour: bool) -> str:
         # decode() puts them; a character split between two runs falls back to its own bytes.
         before, through, s = tok.decode(ids[:start]), tok.decode(ids[:i]), steps[start]
         text = through[len(before):] if through.startswith(before) else tok.decode(ids[start:i])
-        if s >= 0:
-            text = f"{COLOURS[s % len(COLOURS)]}{text}\033[0m\033[2m{s}\033[0m" if colour else f"[{text}]{s}"
-        out += [text] if s != -2 else []
+        out += [f"[{text}]{s}" if s >= 0 else text] if s != -2 else []
         start = i
     hist = collections.Counter(collections.Counter(s for s in steps if s >= 0).values())  # set size -> calls
     sizes = ", ".join(f"{hist[n]} x {n} token{'s' * (n > 1)}" for n in sorted(hist)) or "none"
@@ -136,13 +123,12 @@ def sample(args, model: SetDiffusionLM, tok: Tokenizer, ckpt) -> None:
         window = max_window(model.cfg) if window is None else window
     elif args.prompt is not None:                     # BOS first, as in every training row
         src = {"prompt": torch.tensor([tok.bos_id] + tok.encode(args.prompt))}
-    colour = args.show_order and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     generator = torch.Generator().manual_seed(args.seed)          # one generator: --seed fixes every sample
     for done in range(0, args.num_samples, args.batch_size or args.num_samples):
         B = min(args.batch_size or args.num_samples, args.num_samples - done)
         out = generate(model, batch_size=B, max_new_tokens=args.max_new_tokens, window=window,
                        threshold=args.threshold, temperature=args.temperature, top_p=args.top_p,
-                       generator=generator, use_cache=not args.no_cache, stop_at_eos=args.stop_at_eos, **src)
+                       generator=generator, stop_at_eos=args.stop_at_eos, **src)
         for b in range(B):
             new, calls = int(out.new_tokens[b]), int(out.steps[b])
             # The rows of a batch share every call: a row's speed is its tokens over the batch's time.
@@ -150,14 +136,9 @@ def sample(args, model: SetDiffusionLM, tok: Tokenizer, ckpt) -> None:
                   f"{new / max(calls, 1):.2f} tokens/call, {new / out.seconds:,.0f} tokens/s")
             print(tok.decode(out.tokens[b]).rstrip("\n"))
             if args.show_order:
-                print(decode_order(tok, out.tokens[b].tolist(), out.reveal_step[b].tolist(), colour))
-        if B > 1:
-            print(f"=== batch of {B}: {out.nfe} network calls, {int(out.new_tokens.sum()):,} tokens in "
-                  f"{out.seconds:.2f} s = {int(out.new_tokens.sum()) / out.seconds:,.0f} tokens/s")
+                print(decode_order(tok, out.tokens[b].tolist(), out.reveal_step[b].tolist()))
 
 # ---- Evaluation: the set-factorized bound, as training validation computes it ----------
-BINARY = re.compile("[\0\udc80-\udcff]")   # NUL, or a byte that is not UTF-8 (surrogateescape)
-
 def text_rows(files: list, tok: Tokenizer, L: int) -> tuple:
     """LM1B wrapped rows of text files (each line a sentence followed by EOS), and the source text's
     UTF-8 bytes per token, a line's newline counted as one byte (EOS stands for it)."""
@@ -168,7 +149,7 @@ def text_rows(files: list, tok: Tokenizer, L: int) -> tuple:
         with open(name, "rb") as f:
             for raw in map(bytes.strip, f):              # strip: also the \r of Windows line ends
                 line = raw.decode("utf-8", "surrogateescape")
-                if line and not BINARY.search(line):      # else binary data, not a sentence
+                if line and not re.search("[\0\udc80-\udcff]", line):  # NUL or not UTF-8: binary data
                     stream.extend(tok.encode(line) + [tok.eos_id])
                     num_bytes += len(raw) + 1
     rows, _ = wrap_rows(np.frombuffer(stream, dtype=np.uint16), L, tok.bos_id, tok.eos_id)
@@ -193,87 +174,88 @@ def bound(model, rows, num_orders: int, args, bytes_per_token: float) -> tuple:
     # EOS are not text) at its bytes per token. Decoded WordPiece text would miscount by ~20%.
     return res, round(len(x) * (x.shape[1] - 2) * bytes_per_token)
 
-def evaluate(args, model, tok, ckpt) -> None:
-    if args.eval:
-        rows, per_token = text_rows(args.eval, tok, model.cfg.seq_len)
-    else:
-        rows, per_token = validation_rows(ckpt, args.ckpt, "pass --eval FILE ... to score text files")
+def evaluate(args, model, tok, ckpt) -> None:   # the bound of --eval
+    rows, per_token = text_rows(args.eval, tok, model.cfg.seq_len) if args.eval else validation_rows(
+        ckpt, args.ckpt, "pass --eval FILE ... to score text files")
     res, num_bytes = bound(model, rows, args.num_orders, args, per_token)
-    m = res.metrics(num_bytes)
-    print(f"eval: {' '.join(args.eval) or 'the validation split of the training run'}: {m['rows']:,} of "
-          f"{len(rows):,} rows, {m['tokens_scored']:,} tokens scored (not BOS), decode orders per row: "
-          f"{m['num_orders']}\nperplexity bound {m['ppl_bound']:.4f} (an upper bound on the true perplexity), "
-          f"{m['bits_per_byte']:.4f} bits per byte ({num_bytes:,} bytes of source text)\nas in training: "
-          f"val {res.line(num_bytes)}")
+    print(f"eval: {' '.join(args.eval) or 'the validation split of the training run'}: {len(rows):,} rows\n"
+          f"perplexity bound {res.ppl:.4f} (an upper bound on the true perplexity), {res.bits_per_byte(num_bytes):.4f} "
+          f"bits per byte ({num_bytes:,} bytes of source text)\nas in training: val {res.line(num_bytes)}")
 
 # ---- Comparison: quality against speed, one order policy per checkpoint ----------------
 # Samples are scored by an AR judge; its score alone rewards degenerate (repetitive) text,
-# so the samples' unigram entropy stands beside it.
-COMPARE_THRESHOLDS = (float("inf"), 0.9, 0.7, 0.5, 0.3)   # weak models are rarely above 0.7
+# so the samples' unigram entropy and share of distinct 4-grams stand beside it.
+COMPARE_THRESHOLDS = (float("inf"), 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 
-def entropy_bits(counts: torch.Tensor) -> float:    # of the distribution proportional to counts
-    p = counts[counts > 0].double() / counts.sum()
-    return float(-(p * p.log2()).sum())
+def text_stats(judge: SetDiffusionLM, rows: torch.Tensor) -> dict:
+    """Rows (n, L) without BOS: NLL under the AR judge (nats/token; for the identity order the bound
+    is exact), unigram entropy (bits) and the share of 4-grams inside the rows that are distinct."""
+    p = torch.bincount(rows[:, 1:].flatten()).double()
+    p, grams = p[p > 0] / p.sum(), rows[:, 1:].unfold(1, 4, 1).reshape(-1, 4)
+    return dict(judge_nll=elbo(judge, rows, num_orders=1).nll_per_token, unigram_entropy=float(-(p * p.log2()).sum()),
+                distinct_4grams=len(torch.unique(grams, dim=0)) / max(len(grams), 1))
 
-def unigram_entropy(rows: torch.Tensor) -> float:   # bits; of the token frequencies, BOS left out
-    return entropy_bits(torch.bincount(rows[:, 1:].flatten()))
-
-def judge_ppl(judge: SetDiffusionLM, rows: torch.Tensor) -> float:
-    return elbo(judge, rows, num_orders=1).ppl      # AR: for the identity order the bound is exact
-
-def compare(args, device) -> None:
+def compare(args, device, dtype) -> None:
     judge, tok, jckpt = load(args.judge, device) if args.judge else (None, None, None)
     if judge is None or judge.cfg.order != "ar":
         raise ValueError("--compare needs --judge CKPT, a checkpoint trained with --order ar")
     rows, per_token = validation_rows(jckpt, args.judge, "compare checkpoints written by train_small.py")
-    K, L, n_fill, n_gen = max(args.num_orders, 4), judge.cfg.seq_len, min(64, len(rows)), args.compare_samples
-    real = torch.from_numpy(np.asarray(rows[:max(n_fill, n_gen)], dtype=np.int64))   # (n, L)
-    span = torch.arange(L * 3 // 8, L * 5 // 8)                 # the middle quarter of each row
-    print(f"command: {args.command}\nvalidation text: judge ppl {judge_ppl(judge, real[:n_gen]):.2f}, "
-          f"unigram entropy {unigram_entropy(real[:n_gen]):.2f} bits")
-    bounds, gens, fills = [], [], []
+    K, n_gen = max(args.num_orders, 4), args.compare_samples
+    real = torch.from_numpy(np.asarray(rows[:n_gen], dtype=np.int64))   # (n, L): what samples should look like
+    res_all = dict(command=args.command, validation=text_stats(judge, real), bounds=[], samples=[])
+    print(f"command: {args.command}\nvalidation rows: {json.dumps(res_all['validation'])}")
     for path in args.compare:
         model, mtok, ckpt = load(path, device)
         if mtok.spec() != tok.spec() or (ckpt.get("val_rows") or {}).get("path") != jckpt["val_rows"]["path"]:
             raise ValueError(f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
-        cfg, name = model.cfg, policy(model.cfg)
+        cfg, name, w_max = model.cfg, policy(model.cfg), max_window(model.cfg)
         res, num_bytes = bound(model, rows, K, args, per_token)
-        bounds.append((name, f"{res.ppl:.3f}", f"{res.nll_per_token:.4f} +- {res.se:.4f}",
-                       f"{res.bits_per_byte(num_bytes):.3f}", K, f"{res.tokens:,}"))
-        window = args.window or (cfg.set_size if cfg.order == "staggered" else max_window(cfg))
-        for tau in COMPARE_THRESHOLDS[:1] if cfg.order == "ar" else COMPARE_THRESHOLDS:  # AR: 1 token/call
-            out = generate(model, batch_size=n_gen, window=window, threshold=tau, top_p=args.top_p,
-                           temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed))
-            x = out.tokens.cpu()
-            gens.append((name, window, ">1" if tau > 1 else tau, f"{out.tokens_per_step:.2f}",
-                         f"{judge_ppl(judge, x):.2f}", f"{unigram_entropy(x):.2f}", f"{out.seconds:.1f}"))
-        x = generate(model, infill=real[:n_fill].index_fill(1, span, cfg.mask_id), window=max_window(cfg),
-                     temperature=0.0).tokens.cpu()
-        accuracy = (x[:, span] == real[:n_fill, span]).double().mean().item()
-        fills.append((name, max_window(cfg), f"{accuracy:.3f}", f"{judge_ppl(judge, x):.2f}"))
-    print(table(f"Validation bound ({res.num_seqs:,} rows, K={K} orders)",
-                "model | val ppl bound | nats/token +- se | bits/byte | orders | tokens scored", bounds))
+        res_all["bounds"].append(dict(model=name, ckpt=str(path), step=ckpt.get("step"), **res.metrics(num_bytes)))
+        for window in sorted({min(cfg.set_size, w_max), w_max}):     # the set size d, the largest window
+            for tau in COMPARE_THRESHOLDS[:1] if window == 1 else COMPARE_THRESHOLDS:  # w = 1: 1 token/call
+                out = generate(model, batch_size=n_gen, window=window, threshold=tau, top_p=args.top_p,
+                               temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed))
+                res_all["samples"].append(dict(model=name, window=window, threshold=None if tau > 1 else tau,
+                                               tokens_per_call=out.tokens_per_step, seconds=out.seconds,
+                                               **text_stats(judge, out.tokens.cpu())))
+    print(table(f"Validation bound ({res.num_seqs:,} rows, K={K} orders)", "model | val ppl bound | nats/token +- se | "
+                "bits/byte | tokens scored", [(r["model"], f"{r['ppl_bound']:.3f}", f"{r['nll_per_token']:.4f} +- "
+                f"{r['se']:.4f}", f"{r['bits_per_byte']:.3f}", f"{r['tokens_scored']:,}") for r in res_all["bounds"]]))
     print(table(f"{n_gen} unconditional samples (temperature {args.temperature:g}, top-p {args.top_p:g})",
-                "model | window | threshold | tokens/call | judge ppl | unigram entropy (bits) | seconds", gens))
-    print(table(f"Greedy infilling of positions {span[0]}..{span[-1]} of {n_fill} rows (originals: judge ppl "
-                f"{judge_ppl(judge, real[:n_fill]):.2f})", "model | infill window | accuracy | judge ppl", fills))
+                "model | window | threshold | tokens/call | judged NLL (nats/token) | unigram entropy (bits) | "
+                "distinct 4-grams | seconds", [(r["model"], r["window"], r["threshold"] or ">1",
+                f"{r['tokens_per_call']:.2f}", f"{r['judge_nll']:.3f}", f"{r['unigram_entropy']:.2f}",
+                f"{r['distinct_4grams']:.3f}", f"{r['seconds']:.1f}") for r in res_all["samples"]]))
+    if args.json:                    # a temp file, then rename: a failed write keeps the old file
+        pathlib.Path(args.json + ".tmp").write_text(json.dumps(res_all, indent=1) + "\n")
+        os.replace(args.json + ".tmp", args.json)
+
+# ---- What a decode order shows a position when it is revealed ------------------------
+STAT_COLUMNS = ("left neighbour revealed first", "all 4 left neighbours first", "unrevealed among the 16 to the left",
+                "revealed among the 4 to the right")
+
+def order_stats(cfg: Config, num_orders: int = 4000, seed: int = 0) -> tuple:
+    """The STAT_COLUMNS over sampled orders, for positions 16..L-17 (away from both ends)."""
+    if cfg.seq_len < 34:
+        raise ValueError(f"--order-stats needs L >= 34 (16 positions on each side), got {cfg.seq_len}")
+    step = torch.argsort(sample_order(cfg, num_orders, torch.Generator().manual_seed(seed)), 1)  # (N, L)
+    i = torch.arange(16, cfg.seq_len - 16)
+    first = lambda j: (step[:, i + j] < step[:, i]).double()     # (N, n): position i + j comes before i
+    left = torch.stack([first(-j) for j in range(1, 17)])        # (16, N, n)
+    right = sum(first(j) for j in range(1, 5))
+    return tuple(float(v.mean()) for v in (left[0], left[:4].prod(0), (1 - left).sum(0), right))
+
+def show_order_stats(args, model, tok, ckpt) -> None:   # --order-stats: the model's policy, ar, block d, uniform
+    cfgs = [model.cfg] + [dataclasses.replace(model.cfg, order=o) for o in ("ar", "block", "uniform")]
+    rows = {policy(c) + (f", s={c.max_set_size}" if c.order == "staggered" else ""): order_stats(c) for c in cfgs
+            if c.order != "block" or 1 < c.set_size < c.seq_len}    # equal names, equal policies: one row
+    L = model.cfg.seq_len
+    print(table(f"What the order shows position i when i is revealed (L={L}, 4,000 orders, positions 16..{L - 17})",
+                " | ".join(("policy",) + STAT_COLUMNS), [(name, *(f"{v:.{3 if k < 2 else 2}f}" for k, v in
+                                                           enumerate(stats))) for name, stats in rows.items()]))
 
 # ---- Benchmark: sampler speed as ratios measured side by side in one run ---------------
-# NOTE: SetDiffusionLM zero-initialises its head: an untrained model gives every token 1/V and no
-# threshold below 1 would reveal a second token. A random head of std HEAD_SCALE / sqrt(width) makes
-# confidences vary; its tokens per call show the mechanism, not what a trained model reaches.
-HEAD_SCALE = 8.0
-THRESHOLDS = (1.01, 0.9, 0.7, 0.5)
-
-def random_model(args, device) -> SetDiffusionLM:
-    shape = {k: getattr(args, k) or v for k, v in BENCH_SHAPES["tiny" if args.bench_tiny else "cpu"].items()}
-    tok = Tokenizer.bytes()
-    cfg = Config(vocab_size=tok.vocab_size, dropout=0.0, order="staggered", pad_id=tok.pad_id,
-                 bos_id=tok.bos_id, eos_id=tok.eos_id, mask_id=tok.mask_id, **shape)
-    torch.manual_seed(args.seed)
-    model = SetDiffusionLM(cfg)
-    torch.nn.init.normal_(model.head.weight, std=HEAD_SCALE / cfg.d_model ** 0.5)
-    return model.to(device).eval()
+THRESHOLDS = (1.01, 0.9, 0.7, 0.5, 0.3, 0.1)
 
 def machine_line(device, dtype) -> str:
     info = pathlib.Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
@@ -282,40 +264,60 @@ def machine_line(device, dtype) -> str:
     return (f"machine: {cpu}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}, {torch.get_num_threads()} "
             f"threads; device {device}, {str(dtype)[6:]}; {datetime.date.today()}")
 
+@torch.inference_mode()
+def plain_decoder(model: SetDiffusionLM, B: int, temperature: float, top_p: float, generator) -> Generation:
+    """The peer a user would pick instead: a causal decoder with a KV cache, one token per call
+    (nanoGPT's loop), on the same network and cache buffers; L - 1 new tokens a row."""
+    cfg, device, start = model.cfg, next(model.parameters()).device, time.perf_counter()
+    cache, rows = KVCache(cfg, B, cfg.seq_len, max_call=1, device=device), torch.full((B, cfg.seq_len), cfg.bos_id)
+    x = rows[:, :1].to(device)
+    for t in range(cfg.seq_len - 1):
+        cache.write_pos = torch.full((B, 1), t, device=device)                # token t goes to slot t
+        attn = torch.cat([cache.filled, torch.ones_like(cache.filled[:, :1])], 1)[:, None]  # cache + itself
+        h = model.run(x, cache.write_pos, attn, cache)                        # (B, 1, D)
+        cache.commit()
+        x = draw_candidates(model.logits(h), temperature, top_p, generator)[0]  # (B, 1) token t + 1
+        rows[:, t + 1] = x[:, 0]
+    synchronize(device)
+    m = cfg.seq_len - 1                     # calls = new tokens; position t is revealed by call t - 1
+    return Generation(rows, torch.arange(-1, m).expand(B, -1), m, torch.full((B,), m), torch.full((B,), m),
+                      time.perf_counter() - start)
+
 def bench(args, device, dtype) -> None:
-    """Time full-row unconditional generation: every sampler variant at every batch size."""
-    model = load(args.ckpt, device)[0] if args.ckpt else random_model(args, device)
-    cfg, w_max = model.cfg, max_window(model.cfg)
+    """Time full-row unconditional generation: every sampler at every batch size, and where the set
+    sampler (two tokens a call at one token per call) overtakes the plain decoder."""
+    model = load(args.ckpt, device)[0]
+    cfg, w_max, sizes, repeats = model.cfg, max_window(model.cfg), args.bench_batch_sizes, args.bench_repeats
     w4, windows = min(4, w_max), {"d": min(cfg.set_size, w_max), "s": w_max}
-    sizes, repeats = ([1, 2], 1) if args.bench_tiny else (args.bench_batch_sizes, args.bench_repeats)
-    cached, free, greedy = f"cached, w={w4}", f"cache-free, w={w4}", dict(window=w4, temperature=0)
-    variants = {cached: greedy, free: dict(greedy, use_cache=False)} | {
-        f"w={n}={w}, tau={t:g}": dict(window=w, threshold=t, temperature=args.temperature, top_p=args.top_p)
-        for n, w in windows.items() for t in THRESHOLDS}
+    plain, cached, free = "plain causal decoder", f"cached, w={w4}", f"cache-free, w={w4}"
+    kw = dict(temperature=args.temperature, top_p=args.top_p)
+    variants = {cached: dict(window=w4, temperature=0), free: dict(window=w4, temperature=0, use_cache=False)} | {
+        f"w={n}={w}, tau={t:g}": dict(kw, window=w, threshold=t) for n, w in windows.items() for t in THRESHOLDS}
     # Rounds of one run per variant, round 0 only warming up (allocation, kernel choice): a burst of
     # load from elsewhere slows one run of every variant a little, and the median discards it.
-    seconds, out = {key: [] for key in ((v, B) for B in sizes for v in variants)}, {}
-    for round in tqdm(range(repeats + 1), desc="bench rounds", disable=args.bench_tiny):
+    seconds, out = {key: [] for key in ((v, B) for B in sizes for v in [plain, *variants])}, {}
+    for round in tqdm(range(repeats + 1), desc="bench rounds"):
         for v, B in seconds:         # a fresh generator per run: every round draws the same tokens
-            out[v, B] = generate(model, batch_size=B, generator=torch.Generator().manual_seed(args.seed),
-                                 **variants[v])
+            g = torch.Generator().manual_seed(args.seed)
+            out[v, B] = plain_decoder(model, B, generator=g, **kw) if v == plain else generate(
+                model, batch_size=B, generator=g, **variants[v])
             seconds[v, B] += [out[v, B].seconds] if round else []
     speed = {key: int(out[key].new_tokens.sum()) / statistics.median(s) for key, s in seconds.items()}
-    print(f"# sample.py --bench: {args.ckpt or 'random model, untrained, with a random head (HEAD_SCALE)'}\n"
-          f"command: {args.command}\n{machine_line(device, dtype)}\nmodel: {model.num_params() / 1e6:.2f}M, "
-          f"{cfg.n_layer} layers x {cfg.d_model}, L={cfg.seq_len}, {policy(cfg)} s={cfg.max_set_size}; "
-          f"{cfg.seq_len - 1} new tokens a row; tau rows: temperature {args.temperature:g}, top-p {args.top_p:g}")
-    lo, hi = sizes[0], sizes[-1]
-    print(table(f"Sampler speed (median of {repeats} interleaved runs after a warm-up)",
-                " | ".join(["sampler"] + [f"batch {B} tokens/call | batch {B} tokens/s" for B in sizes]
-                           + [f"tokens/s batch {hi} over {lo}"]),
-                [(v, *[f"{out[v, B].tokens_per_step:.2f} | {speed[v, B]:,.0f}" for B in sizes],
-                  f"{speed[v, hi] / speed[v, lo]:.2f}x") for v in variants]))
+    print(f"# sample.py --bench\ncommand: {args.command}\n{machine_line(device, dtype)}\n{cfg.seq_len - 1} new tokens "
+          f"a row; plain and tau rows: temperature {args.temperature:g}, top-p {args.top_p:g}")
+    print(table(f"Sampler speed (median of {repeats} interleaved runs after a warm-up)", " | ".join(
+        ["sampler"] + [f"batch {B} tokens/call | batch {B} tokens/s" for B in sizes] + [f"tokens/s batch {sizes[-1]} "
+        f"over {sizes[0]}"]), [(v, *[f"{out[v, B].tokens_per_step:.2f} | {speed[v, B]:,.0f}" for B in sizes],
+                               f"{speed[v, sizes[-1]] / speed[v, sizes[0]]:.2f}x") for v in [plain, *variants]]))
     for B in sizes:
-        a, b = out[cached, B], out[free, B]
-        same = torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
+        same = all(torch.equal(getattr(out[cached, B], k), getattr(out[free, B], k)) for k in ("tokens", "reveal_step"))
         print(f"batch {B}, greedy: the KV cache samples {speed[cached, B] / speed[free, B]:.2f}x faster than the "
               f"cache-free reference; identical outputs: {'yes' if same else 'NO'}")
+        for n, w in windows.items():  # THRESHOLDS descend: tokens per call grow
+            v = next((v for v in variants if v.startswith(f"w={n}=") and speed[v, B] > speed[plain, B]), None)
+            print(f"batch {B}, w={n}={w}: " + (f"the set sampler overtakes the plain decoder at {v.split(', ')[1]}, "
+                  f"{out[v, B].tokens_per_step:.2f} tokens/call ({speed[v, B] / speed[plain, B]:.2f}x)" if v else
+                  "the plain decoder is faster at every threshold"))
 
 # ---- Main: a user error is one line on stderr and exit code 2 --------------------------
 def main(argv=None) -> int:
@@ -325,19 +327,17 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["python", "sample.py", *argv])
     try:
-        if args.ckpt is None and not (args.bench or args.compare):
-            raise ValueError("give --ckpt PATH (a checkpoint written by train_small.py), or --bench")
+        if args.ckpt is None and not args.compare:
+            raise ValueError("give --ckpt PATH, a checkpoint written by train_small.py")
         device, why = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
         dtype, why_dtype = pick_dtype(device, args.dtype)
         print(f"device: {device} ({why}); {str(dtype)[6:]} ({why_dtype})")
         with autocast(device, dtype):               # every forward pass; the weights stay float32
-            if args.compare:
-                compare(args, device)
-            elif args.bench:
-                bench(args, device, dtype)
+            if args.compare or args.bench:
+                (compare if args.compare else bench)(args, device, dtype)
             else:
-                model, tok, ckpt = load(args.ckpt, device)
-                (sample if args.eval is None else evaluate)(args, model, tok, ckpt)
+                mode = show_order_stats if args.order_stats else sample if args.eval is None else evaluate
+                mode(args, *load(args.ckpt, device))
     except (ValueError, OSError) as e:   # setdiff and this file raise ValueError for bad input
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
