@@ -7,7 +7,7 @@
     python sample.py --ckpt out/best.pt --eval                            # the run's validation split
     python sample.py --compare runs/*/best.pt --judge runs/ar/best.pt --json cmp.json  # results
     python sample.py --ckpt out/best.pt --order-stats                     # what an order shows
-    python sample.py --bench                                              # sampler speed
+    python sample.py --ckpt out/best.pt --bench                           # sampler speed
 """
 import argparse, array, collections, dataclasses, datetime, glob, json, os, pathlib, platform, re, shlex, statistics
 import sys, time
@@ -74,8 +74,9 @@ def load(path, device):
           f"L={model.cfg.seq_len}, largest window {max_window(model.cfg)}, tokenizer {tok.kind}")
     return model.eval(), tok, ckpt
 
-def policy(cfg: Config) -> str:
-    return cfg.order + (f" d={cfg.set_size}" if cfg.order in ("staggered", "block") else "")
+def policy(cfg: Config) -> str:   # a model's name in tables
+    d, s = f" d={cfg.set_size}", f", s={cfg.max_set_size}"
+    return cfg.order + {"staggered": d + s, "block": d}.get(cfg.order, "")
 
 def table(title: str, header: str, rows: list) -> str:
     return "\n".join([f"\n## {title}\n", f"| {header} |", "|---" * (header.count("|") + 1) + "|"]
@@ -188,8 +189,8 @@ def evaluate(args, model, tok, ckpt) -> None:   # the bound of --eval
 COMPARE_THRESHOLDS = (float("inf"), 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 
 def text_stats(judge: SetDiffusionLM, rows: torch.Tensor) -> dict:
-    """Rows (n, L) without BOS: NLL under the AR judge (nats/token; for the identity order the bound
-    is exact), unigram entropy (bits) and the share of 4-grams inside the rows that are distinct."""
+    """Of rows (n, L), BOS left out: NLL under the AR judge (nats/token; for the identity order the
+    bound is exact), unigram entropy (bits) and the share of the 4-grams inside rows that are distinct."""
     p = torch.bincount(rows[:, 1:].flatten()).double()
     p, grams = p[p > 0] / p.sum(), rows[:, 1:].unfold(1, 4, 1).reshape(-1, 4)
     return dict(judge_nll=elbo(judge, rows, num_orders=1).nll_per_token, unigram_entropy=float(-(p * p.log2()).sum()),
@@ -200,6 +201,8 @@ def compare(args, device, dtype) -> None:
     if judge is None or judge.cfg.order != "ar":
         raise ValueError("--compare needs --judge CKPT, a checkpoint trained with --order ar")
     rows, per_token = validation_rows(jckpt, args.judge, "compare checkpoints written by train_small.py")
+    if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():   # before, not after, the work
+        raise ValueError(f"--json {args.json}: its folder does not exist")
     K, n_gen = max(args.num_orders, 4), args.compare_samples
     real = torch.from_numpy(np.asarray(rows[:n_gen], dtype=np.int64))   # (n, L): what samples should look like
     res_all = dict(command=args.command, validation=text_stats(judge, real), bounds=[], samples=[])
@@ -211,7 +214,7 @@ def compare(args, device, dtype) -> None:
         cfg, name, w_max = model.cfg, policy(model.cfg), max_window(model.cfg)
         res, num_bytes = bound(model, rows, K, args, per_token)
         res_all["bounds"].append(dict(model=name, ckpt=str(path), step=ckpt.get("step"), **res.metrics(num_bytes)))
-        for window in sorted({min(cfg.set_size, w_max), w_max}):     # the set size d, the largest window
+        for window in sorted({w_max if cfg.order == "uniform" else min(cfg.set_size, w_max), w_max}):  # d, the largest
             for tau in COMPARE_THRESHOLDS[:1] if window == 1 else COMPARE_THRESHOLDS:  # w = 1: 1 token/call
                 out = generate(model, batch_size=n_gen, window=window, threshold=tau, top_p=args.top_p,
                                temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed))
@@ -231,13 +234,11 @@ def compare(args, device, dtype) -> None:
         os.replace(args.json + ".tmp", args.json)
 
 # ---- What a decode order shows a position when it is revealed ------------------------
-STAT_COLUMNS = ("left neighbour revealed first", "all 4 left neighbours first", "unrevealed among the 16 to the left",
-                "revealed among the 4 to the right")
-
 def order_stats(cfg: Config, num_orders: int = 4000, seed: int = 0) -> tuple:
-    """The STAT_COLUMNS over sampled orders, for positions 16..L-17 (away from both ends)."""
-    if cfg.seq_len < 34:
-        raise ValueError(f"--order-stats needs L >= 34 (16 positions on each side), got {cfg.seq_len}")
+    """Over sampled orders, for positions i = 16..L-17: P(i - 1 comes before i), P(i - 4..i - 1 all do),
+    and when i is revealed, E(still masked among i - 16..i - 1) and E(revealed among i + 1..i + 4)."""
+    if cfg.seq_len < 33:
+        raise ValueError(f"--order-stats needs L >= 33 (16 positions on each side), got {cfg.seq_len}")
     step = torch.argsort(sample_order(cfg, num_orders, torch.Generator().manual_seed(seed)), 1)  # (N, L)
     i = torch.arange(16, cfg.seq_len - 16)
     first = lambda j: (step[:, i + j] < step[:, i]).double()     # (N, n): position i + j comes before i
@@ -247,12 +248,11 @@ def order_stats(cfg: Config, num_orders: int = 4000, seed: int = 0) -> tuple:
 
 def show_order_stats(args, model, tok, ckpt) -> None:   # --order-stats: the model's policy, ar, block d, uniform
     cfgs = [model.cfg] + [dataclasses.replace(model.cfg, order=o) for o in ("ar", "block", "uniform")]
-    rows = {policy(c) + (f", s={c.max_set_size}" if c.order == "staggered" else ""): order_stats(c) for c in cfgs
-            if c.order != "block" or 1 < c.set_size < c.seq_len}    # equal names, equal policies: one row
-    L = model.cfg.seq_len
+    rows = {policy(c): order_stats(c) for c in cfgs if c.order != "block" or 1 < c.set_size < c.seq_len}
+    L, header = cfgs[0].seq_len, ("policy | left neighbour revealed first | all 4 left neighbours first | unrevealed "
+                                  "among the 16 to the left | revealed among the 4 to the right")
     print(table(f"What the order shows position i when i is revealed (L={L}, 4,000 orders, positions 16..{L - 17})",
-                " | ".join(("policy",) + STAT_COLUMNS), [(name, *(f"{v:.{3 if k < 2 else 2}f}" for k, v in
-                                                           enumerate(stats))) for name, stats in rows.items()]))
+                header, [(name, *(f"{v:.{3 if k < 2 else 2}f}" for k, v in enumerate(st))) for name, st in rows.items()]))
 
 # ---- Benchmark: sampler speed as ratios measured side by side in one run ---------------
 THRESHOLDS = (1.01, 0.9, 0.7, 0.5, 0.3, 0.1)
@@ -267,7 +267,7 @@ def machine_line(device, dtype) -> str:
 @torch.inference_mode()
 def plain_decoder(model: SetDiffusionLM, B: int, temperature: float, top_p: float, generator) -> Generation:
     """The peer a user would pick instead: a causal decoder with a KV cache, one token per call
-    (nanoGPT's loop), on the same network and cache buffers; L - 1 new tokens a row."""
+    (the usual loop), on the same network and cache buffers; L - 1 new tokens a row."""
     cfg, device, start = model.cfg, next(model.parameters()).device, time.perf_counter()
     cache, rows = KVCache(cfg, B, cfg.seq_len, max_call=1, device=device), torch.full((B, cfg.seq_len), cfg.bos_id)
     x = rows[:, :1].to(device)
@@ -284,13 +284,14 @@ def plain_decoder(model: SetDiffusionLM, B: int, temperature: float, top_p: floa
                       time.perf_counter() - start)
 
 def bench(args, device, dtype) -> None:
-    """Time full-row unconditional generation: every sampler at every batch size, and where the set
-    sampler (two tokens a call at one token per call) overtakes the plain decoder."""
+    """Time full-row generation: every sampler at every batch size, and from which threshold the set
+    sampler (it feeds 2 tokens a call even at 1 token per call) overtakes the plain decoder."""
     model = load(args.ckpt, device)[0]
     cfg, w_max, sizes, repeats = model.cfg, max_window(model.cfg), args.bench_batch_sizes, args.bench_repeats
     w4, windows = min(4, w_max), {"d": min(cfg.set_size, w_max), "s": w_max}
     plain, cached, free = "plain causal decoder", f"cached, w={w4}", f"cache-free, w={w4}"
     kw = dict(temperature=args.temperature, top_p=args.top_p)
+    generate(model, max_new_tokens=1, **kw)      # checks them before the plain decoder uses them
     variants = {cached: dict(window=w4, temperature=0), free: dict(window=w4, temperature=0, use_cache=False)} | {
         f"w={n}={w}, tau={t:g}": dict(kw, window=w, threshold=t) for n, w in windows.items() for t in THRESHOLDS}
     # Rounds of one run per variant, round 0 only warming up (allocation, kernel choice): a burst of

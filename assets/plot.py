@@ -32,21 +32,25 @@ def within(compare: dict, slack: float = 1.1) -> dict:
                                and r["judge_nll"] <= slack * nll) for (m, w), nll in base.items()}
 
 def main(paths: list) -> None:
-    runs = {pathlib.Path(p).stem: training_curve(p) for p in paths if p.endswith(".jsonl")}
+    run_name = lambda p: p.parent.name if p.name == "metrics.jsonl" else p.stem   # its folder, or a copy's name
+    if len([p for p in paths if p.endswith(".json")]) > 1 or not all(p.endswith((".jsonl", ".json")) for p in paths):
+        raise ValueError("give metrics.jsonl files and at most one .json file of sample.py --compare --json")
+    runs = {run_name(pathlib.Path(p)): training_curve(p) for p in paths if p.endswith(".jsonl")}
     compares = [json.loads(pathlib.Path(p).read_text()) for p in paths if p.endswith(".json")]
     if runs:                                 # the numbers first: a row per validation
         print("| training tokens | " + " | ".join(runs) + " |\n" + "|---" * (len(runs) + 1) + "|")
         for tokens in sorted({t for points in runs.values() for t, _ in points}):
-            print(f"| {tokens:,} | " + " | ".join(f"{dict(p).get(tokens, float('nan')):.3f}" for p in runs.values()) + " |")
+            cells = (f"{dict(points).get(tokens, float('nan')):.3f}" for points in runs.values())
+            print(f"| {tokens:,} | " + " | ".join(cells) + " |")
     for compare in compares:
-        print("\ntokens per call while the judged NLL stays within 10% of its value at one token per call:")
+        print("\nthe most tokens per call at a judged NLL within 10% of the one at one token per call:")
         print("\n".join(f"  {name}: {reach:.2f}" for name, reach in within(compare).items()))
     try:
         import matplotlib
     except ImportError:
         raise ValueError("drawing needs matplotlib (pip install matplotlib); nothing else in setdiff does")
     matplotlib.use("Agg")                    # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt, matplotlib.ticker
     if runs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, points in runs.items():
@@ -64,7 +68,9 @@ def main(paths: list) -> None:
             ax.plot(*zip(*points), label=name, marker="o", markersize=3, color=colour[model],
                     linestyle="--" if dashed else "-")
         ax.axhline(compare["validation"]["judge_nll"], color="grey", linewidth=0.8, label="validation text")
-        ax.set(xscale="log", xlabel="tokens per network call", ylabel="judged NLL (nats/token, AR judge)",
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set(xlabel="tokens per network call", ylabel="judged NLL (nats/token, AR judge)",
                title="Quality against speed")
         ax.grid(alpha=0.3), ax.legend(fontsize=7)
         fig.savefig(HERE / "frontier.png", dpi=120, bbox_inches="tight")
