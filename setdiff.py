@@ -118,11 +118,10 @@ def decode_times(cfg: Config, batch_size: int, generator=None) -> torch.Tensor:
 
 
 def sample_order(cfg: Config, batch_size: int, generator=None, device=None, given=None, pad=None):
-    """Decode orders sigma (B, L): the *given* positions first, in position order; then the
-    free positions by reveal time descending; padding last. `given` and `pad` are (B, L) bool;
-    position 0 is always given (BOS, or whatever token opens the row). One stable sort in which
-    given positions tie at -inf and padding at +inf, so both keep their position order. Drawn
-    on the CPU from `generator`: the orders do not depend on the device."""
+    """Decode orders sigma (B, L): the *given* positions first (`given`, (B, L) bool; position 0
+    always), then the free ones by reveal time descending, padding (`pad`) last. One stable
+    sort: given positions tie at -inf and padding at +inf, so both keep their position order.
+    Drawn on the CPU from `generator`: the orders do not depend on the device."""
     T = decode_times(cfg, batch_size, generator)  # (B, L)
     first = torch.zeros(batch_size, cfg.seq_len, dtype=torch.bool)
     first[:, 0] = True
@@ -288,8 +287,7 @@ class SetDiffusionLM(nn.Module):
 # MASK tokens, both carrying the ORIGINAL positions sigma. Under the set-causal mask, mask
 # slot i sees the clean slots j < i and itself, so it predicts x[sigma_i] from x[sigma_<i]:
 # one pass scores all L conditionals of the order.
-def padding(cfg: Config, x: torch.Tensor) -> torch.Tensor:
-    """(B, L) True at padding; all False for a model without PAD."""
+def padding(cfg: Config, x: torch.Tensor) -> torch.Tensor:  # (B, L): True at padding
     if cfg.pad_id is None:
         return torch.zeros_like(x, dtype=torch.bool)
     return x == cfg.pad_id
@@ -330,7 +328,7 @@ class Elbo:
     """The likelihood bound over some rows, with what a reported number must come with."""
 
     nll: float  # sum over rows of each row's NLL (nats), averaged over its K orders
-    tokens: int  # tokens scored (not given, not padding)
+    tokens_scored: int  # not given, not padding (a run's log says "tokens" for training tokens)
     num_orders: int  # K
     num_seqs: int  # rows
     se: float  # standard error of the per-token NLL across rows
@@ -350,7 +348,7 @@ class Elbo:
         return (
             f"ppl <= {self.ppl:.3f}  ({self.nll_per_token:.4f} +- {self.se:.4f} nats/token, "
             f"{self.bits_per_byte(num_bytes):.4f} bits/byte; {self.num_seqs} rows, "
-            f"{self.tokens:,} tokens, {orders})"
+            f"{self.tokens_scored:,} tokens, {orders})"
         )
 
 
@@ -482,7 +480,7 @@ def gather_sets(select: torch.Tensor, key: torch.Tensor | None = None) -> tuple:
     return torch.where(valid, idx, 0), valid
 
 
-# ---- Sampler: the KV cache beside the cached step (one network call per step) ---------------
+# ---- Sampler: the KV cache beside the cached step, then generate ---------------------------
 class KVCache:
     """Clean-stream keys/values of the revealed tokens, per layer, at their ORIGINAL positions.
 
@@ -547,8 +545,7 @@ def predict(model: SetDiffusionLM, x, new: tuple, queries: tuple, cache: KVCache
     n, m = new_idx.shape[1], q_idx.shape[1]
     C = 0 if cache is None else cache.length  # cache slots
     # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
-    rank = torch.cat([torch.zeros(C), torch.arange(1, n + 1), torch.full((m,), n + 1)])
-    rank = rank.to(x.device)  # (C+n+m,)
+    rank = torch.cat([torch.zeros(C), torch.arange(1, n + 1), torch.full((m,), n + 1)]).to(x.device)
     slot = torch.arange(C + n + m, device=x.device)
     is_mask = slot >= C + n
     query = (rank[C:, None], is_mask[C:, None], slot[C:, None])  # this call's n + m tokens
@@ -564,7 +561,6 @@ def predict(model: SetDiffusionLM, x, new: tuple, queries: tuple, cache: KVCache
     return model.logits(h[:, n:])  # (B, m, V)
 
 
-# ---- Sampler: generate (its inputs are checked in Running, below) --------------------------
 @torch.inference_mode()  # like no_grad, minus autograd's per-op bookkeeping
 def generate(
     model: SetDiffusionLM,
@@ -580,11 +576,10 @@ def generate(
     use_cache: bool = True,
     stop_at_eos: bool = False,
 ) -> Generation:
-    """The set sampler, batched: every row has its own window and progress.
-
-    `prompt` (T,) or (B, T) ids to continue, or `infill` with MASK where to fill (the other
-    tokens are context and never change). The window w defaults to d for the staggered policy
-    and to the largest window otherwise; tau = `threshold` > 1 reveals one token per step;
+    """The set sampler, batched: every row has its own window and progress. `prompt` (T,) or
+    (B, T) ids to continue, or `infill` with MASK where to fill (the other tokens are context
+    and never change); both are checked in Running, below. The window w defaults to d for the
+    staggered policy, else the largest; tau = `threshold` > 1 reveals one token per step;
     temperature 0 is greedy; top_p 1 draws from the model's own distribution (the authors'
     default). `use_cache=False` runs the cache-free reference step."""
     cfg, device = model.cfg, next(model.parameters()).device
@@ -759,28 +754,23 @@ def load_released(folder, device="cpu"):
 
 
 def released_kind(spec) -> str | None:
-    """None for a released SetDLM on the authors' DiT; otherwise what the folder holds. The
-    authors' AR, MDLM and BD3-LM baselines and their Qwen3 models share the file format."""
+    """None for a released SetDLM on the authors' DiT; otherwise what the folder holds (the
+    authors' AR, MDLM and BD3-LM baselines and their Qwen3 models share the file format)."""
     require(isinstance(spec, dict), "config.json does not hold an object")
     net = spec.get("backbone_config") or {}
     target = str(net.get("_target_", ""))
     arch = (spec.get("architectures") or ["?"])[0]
-    if "AutoModel" in target or net.get("pretrained_model_name_or_path"):
-        base = net.get("pretrained_model_name_or_path")
-        return f"a Qwen3 backbone ({base}; the CNN/DM or GSM8K models)"
-    if "DITLegacy" in target:
-        return "a legacy DiT baseline (owt-ar or owt-mdlm)"
-    if arch == "AR" or net.get("causal_attention"):
-        return "an autoregressive model (a causal DiT)"
-    if arch == "MDLM":
-        return "an MDLM (masked diffusion, bidirectional attention, another bound)"
-    if arch == "BD3LM":
-        return f"a BD3-LM (block diffusion, block size {spec.get('block_size')})"
-    if arch != "SetDLM" or not target.endswith(".DIT"):
-        return f"an unknown model (architecture {arch}, backbone {target or '?'})"
-    if net.get("adaln"):
-        return "a SetDLM with timestep modulation (adaLN), which no released SetDLM uses"
-    return None
+    base = net.get("pretrained_model_name_or_path")
+    kinds = [  # (is it, what it is): the first that holds
+        ("AutoModel" in target or base, f"a Qwen3 backbone ({base}; the CNN/DM or GSM8K models)"),
+        ("DITLegacy" in target, "a legacy DiT baseline (owt-ar or owt-mdlm)"),
+        (arch == "AR" or net.get("causal_attention"), "an autoregressive model (a causal DiT)"),
+        (arch == "MDLM", "an MDLM (masked diffusion: bidirectional attention, another bound)"),
+        (arch == "BD3LM", f"a BD3-LM (block diffusion, block size {spec.get('block_size')})"),
+        (arch != "SetDLM" or not target.endswith(".DIT"), f"an unknown model ({arch}, {target})"),
+        (net.get("adaln"), "a SetDLM with timestep modulation (adaLN), unlike every release"),
+    ]
+    return next((what for holds, what in kinds if holds), None)
 
 
 def read_json(path, what: str):
@@ -792,13 +782,11 @@ def read_json(path, what: str):
 
 def released_tokenizer(folder) -> Tokenizer:
     """BERT WordPiece from vocab.txt, or GPT-2 byte-level BPE from vocab.json + merges.txt."""
-    vocab_txt = os.path.join(folder, "vocab.txt")
-    if os.path.isfile(vocab_txt):
-        return Tokenizer.from_vocab(vocab_txt)
-    files = [os.path.join(folder, f) for f in ("vocab.json", "merges.txt")]
-    found = all(map(os.path.isfile, files))
-    require(found, f"{folder} has no vocab.txt, nor vocab.json and merges.txt: download them")
-    return Tokenizer.from_bpe(*files)
+    if os.path.isfile(os.path.join(folder, "vocab.txt")):
+        return Tokenizer.from_vocab(os.path.join(folder, "vocab.txt"))
+    return Tokenizer.from_bpe(
+        os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    )
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -857,10 +845,8 @@ def check_config(cfg: Config) -> None:
     head_dim = cfg.d_model // cfg.n_head
     require(head_dim * cfg.n_head == cfg.d_model, "d_model must be a multiple of n_head")
     require(head_dim % 2 == 0, "d_model / n_head must be even (rotary embeddings rotate pairs)")
-    named = {"mask": cfg.mask_id, "bos": cfg.bos_id, "eos": cfg.eos_id, "pad": cfg.pad_id}
-    for name, i in named.items():
-        ok = i is None or 0 <= i < cfg.vocab_size
-        require(ok, f"the {name} id {i} is outside the vocabulary [0, {cfg.vocab_size})")
+    for i in (cfg.mask_id, cfg.bos_id, cfg.eos_id, cfg.pad_id):
+        require(i is None or 0 <= i < cfg.vocab_size, f"the special id {i} is not in the vocab")
     others = (cfg.bos_id, cfg.eos_id, cfg.pad_id)
     require(cfg.mask_id not in others, "MASK must differ from BOS, EOS and PAD")
     pad_clash = cfg.pad_id is not None and cfg.pad_id in (cfg.bos_id, cfg.eos_id)
@@ -896,32 +882,28 @@ def show_mask(mask: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
-def as_rows(cfg: Config, ids, batch_size: int, device) -> torch.Tensor:
-    """ids (T,) or (B, T) -> (B', T) long: one row repeated batch_size times, or B rows."""
+def context_rows(cfg: Config, ids, batch_size: int, device) -> torch.Tensor:
+    """ids (T,) or (B, T) -> (B', T') long, one row repeated batch_size times or B rows, with
+    BOS prepended where the model has one and the rows lack it."""
     rows = torch.as_tensor(ids, dtype=torch.long).to(device)
-    if rows.dim() == 1:
-        rows = rows[None]
+    rows = rows[None] if rows.dim() == 1 else rows
     require(rows.dim() == 2, f"give token ids of shape (T,) or (B, T), got {tuple(rows.shape)}")
     ok = len(rows) == 1 or batch_size in (1, len(rows))
     require(ok, f"{len(rows)} rows of ids for batch_size {batch_size}: give 1 row or batch_size")
     in_vocab = not rows.numel() or (0 <= rows.min() and rows.max() < cfg.vocab_size)
     require(in_vocab, f"token ids must lie in [0, {cfg.vocab_size}): from another tokenizer?")
-    return rows.expand(max(batch_size, len(rows)), -1).clone()
-
-
-def with_bos(cfg: Config, rows: torch.Tensor) -> torch.Tensor:
-    """Prepend BOS to rows that lack it (a model without BOS: rows are taken as they are)."""
-    if cfg.bos_id is None or (rows.shape[1] and (rows[:, 0] == cfg.bos_id).all()):
+    rows = rows.expand(max(batch_size, len(rows)), -1).clone()
+    starts = rows[:, 0] == cfg.bos_id if rows.shape[1] else torch.zeros(len(rows), dtype=torch.bool)
+    if cfg.bos_id is None or starts.all():
         return rows
-    require(not (rows[:, 0] == cfg.bos_id).any(), "some rows start with BOS, some do not")
+    require(not starts.any(), "some rows start with BOS, some do not")
     return torch.cat([torch.full_like(rows[:, :1], cfg.bos_id), rows], 1)
 
 
 def prompt_canvas(cfg: Config, prompt, batch_size: int, max_new_tokens, device):
     """The starting rows: BOS + prompt, then MASK at the positions to generate."""
     start = cfg.eos_id if cfg.bos_id is None else cfg.bos_id  # no BOS: start a new document
-    src = as_rows(cfg, [start] if prompt is None else prompt, batch_size, device)
-    src = with_bos(cfg, src)
+    src = context_rows(cfg, [start] if prompt is None else prompt, batch_size, device)
     require(src.shape[1] > 0, "the prompt is empty and this model has no BOS to start from")
     require(not (src == cfg.mask_id).any(), "the prompt contains MASK: use infill= to fill holes")
     P, L = src.shape[1], cfg.seq_len
@@ -933,7 +915,7 @@ def prompt_canvas(cfg: Config, prompt, batch_size: int, max_new_tokens, device):
 
 def infill_canvas(cfg: Config, infill, batch_size: int, device):
     """The starting rows of infilling: the context, with MASK at the positions to fill."""
-    src = with_bos(cfg, as_rows(cfg, infill, batch_size, device))
+    src = context_rows(cfg, infill, batch_size, device)
     require((src == cfg.mask_id).any(1).all(), "infill needs a MASK to fill in every row")
     require((src[:, 0] != cfg.mask_id).all(), "position 0 is always given: it cannot be a MASK")
     L = cfg.seq_len
@@ -941,32 +923,35 @@ def infill_canvas(cfg: Config, infill, batch_size: int, device):
     return src
 
 
-def pick_device(name: str | None = None, local_rank: int = 0) -> tuple[torch.device, str]:
-    """`name` if given (checked), else the first of cuda -> mps -> cpu; and why. A bare
-    "cuda" is this process's GPU under torchrun (`local_rank`)."""
+def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
+    """Where and how to run, each choice with its reason -> (device, dtype, a line saying so).
+    device: as given (checked), else the first of cuda, mps, cpu; a bare "cuda" is this
+    process's GPU under torchrun. dtype: of autocast (weights, optimizer state and EMA stay
+    float32), bf16 on a GPU that has it. threads: torch's, as given, else the cores that other
+    processes leave idle. NOTE: torch's default, a thread per core, collapses when other work
+    shares the cores (batch-1 sampling measured 7 vs 299 tokens/s with one thread)."""
     have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     have["cpu"] = True
-    usable = " or ".join(k for k in have if have[k])
-    if name and name != "auto":
-        why = "requested with --device"
-    else:
-        name = next(k for k in have if have[k])
-        why = {"cuda": "a CUDA GPU is available", "mps": "an Apple GPU (MPS) is available"}
-        why = why.get(name, "no GPU found")
+    name = device if device and device != "auto" else next(k for k in have if have[k])
     kind = re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", name)
+    usable = " or ".join(k for k in have if have[k])
     require(kind and have[kind[1]], f"--device {name!r} is not available here; use {usable}")
-    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name), why
-
-
-def pick_dtype(device: torch.device, name: str = "auto") -> tuple[torch.dtype, str]:
-    """Autocast dtype and why. Weights, optimizer state and EMA always stay float32."""
-    if name != "auto":
-        return getattr(torch, name), "requested with --dtype"
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16 autocast)"
-    # NOTE: bf16 autocast on a CPU depends on the chip (measured 0.64x float32 on a 2-core
-    # Xeon, 1.5x on an AVX512-BF16 EPYC): measure with `train_small.py --bench`.
-    return torch.float32, f"bf16 on this {device.type} is not known to be faster (see --bench)"
+    where = torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
+    why = "a GPU is available" if name != "cpu" else "no GPU found"
+    why = "requested with --device" if device else why
+    if dtype != "auto":
+        how, why_dtype = getattr(torch, dtype), "requested with --dtype"
+    elif where.type == "cuda" and torch.cuda.is_bf16_supported():
+        how, why_dtype = torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16)"
+    else:  # NOTE: measured 0.64x float32 on a 2-core Xeon, 1.5x on an AVX512-BF16 EPYC
+        how, why_dtype = torch.float32, "bf16 is not known to be faster: train_small.py --bench"
+    cores = os.cpu_count() or 1
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    n = threads or min(cores, max(1, cores - busy))
+    why_threads = "requested with --threads" if threads else f"{cores} cores, load {busy} elsewhere"
+    torch.set_num_threads(n)
+    line = f"device: {where} ({why}); {str(how)[6:]} ({why_dtype}); {n} threads ({why_threads})"
+    return where, how, line
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -980,20 +965,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall-clock times measure the work itself."""
     if device.type in ("cuda", "mps"):
         getattr(torch, device.type).synchronize()
-
-
-def pick_threads(requested: int | None = None) -> tuple[int, str]:
-    """Set torch's intra-op threads -> (threads, why): `requested` (--threads), else the cores
-    that other processes leave idle. NOTE: torch's default, a thread per core, collapses when
-    other work shares the cores (batch-1 sampling measured 7 vs 299 tokens/s with one thread)."""
-    if requested:
-        torch.set_num_threads(requested)
-        return requested, "requested with --threads"
-    cores = os.cpu_count() or 1
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    threads = min(cores, max(1, cores - busy))
-    torch.set_num_threads(threads)
-    return threads, f"{cores} cores, load {busy} from other work (override with --threads)"
 
 
 # ---- Appendix: the tokenizer shim ----------------------------------------------------------
@@ -1054,7 +1025,7 @@ class Tokenizer:
         lines = read_text(path, "the vocab.txt of a BERT uncased model").split("\n")
         if lines[-1] == "":
             lines = lines[:-1]
-        return cls("wordpiece", [s.removesuffix("\r") for s in lines], f"vocab file {path}")
+        return cls("wordpiece", [s.removesuffix("\r") for s in lines], source=f"vocab file {path}")
 
     @classmethod
     def from_bpe(cls, vocab_json, merges_txt) -> Tokenizer:
@@ -1220,14 +1191,7 @@ def _finish_char(ch: str) -> str:
 def _is_punctuation(ch: str) -> bool:
     """BERT's punctuation: all non-alphanumeric printable ASCII ($, +, <, ^, `, ~ too) and
     every Unicode P* character."""
-    cp = ord(ch)
-    return (
-        33 <= cp <= 47
-        or 58 <= cp <= 64
-        or 91 <= cp <= 96
-        or 123 <= cp <= 126
-        or _category(ch)[0] == "P"
-    )
+    return ("!" <= ch <= "~" and not ch.isalnum()) or _category(ch)[0] == "P"
 
 
 def _category(ch: str) -> str:

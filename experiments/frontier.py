@@ -1,0 +1,166 @@
+"""The quality/speed frontier on a task with an exact answer. The task: a chain of additions and
+subtractions of digits mod 10 whose intermediate results are written out before the answer, the
+way GSM8K solutions are ("Q:6+6-4 A:6+6=2 2-4=8 #8"): every result depends on the one before.
+`--write DIR` writes DIR/train.txt and DIR/test.txt, one problem a line, for train_small.py
+--data. Given checkpoints, prompt each test question, decode its answer with the set sampler
+(greedy; thresholds > 1 down to 0.05; windows d and the largest) and report exact-match accuracy,
+tokens per call and tokens/s, beside a plain causal decoder of the same network as AR's speed.
+
+    python experiments/frontier.py --write data/chain
+    python experiments/frontier.py runs/chain-{ar,staggered-d4}/ckpt.pt --test data/chain/test.txt
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+# `python experiments/frontier.py` puts experiments/ on the path, not the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import plain_decoder  # noqa: E402
+
+import setdiff  # noqa: E402
+from setdiff import require  # noqa: E402
+
+STEPS = 5  # operations a problem
+THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
+
+
+def problem(rng: random.Random) -> tuple:
+    """-> (question, answer): "Q:6+6-4-6-7+9 A:", "6+6=2 2-4=8 8-6=2 2-7=5 5+9=4 #4"."""
+    x = rng.randrange(10)
+    question = f"Q:{x}"
+    steps = []
+    for _ in range(STEPS):
+        op = rng.choice("+-")
+        y = rng.randrange(10)
+        z = (x + y) % 10 if op == "+" else (x - y) % 10
+        question += f"{op}{y}"
+        steps.append(f"{x}{op}{y}={z}")
+        x = z
+    return question + " A:", " ".join(steps) + f" #{x}"
+
+
+def write_task(folder, train: int = 200_000, test: int = 1000, seed: int = 0) -> None:
+    """train.txt and test.txt, one problem a line, each from its own seeded stream."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name, n, stream in (("train.txt", train, seed), ("test.txt", test, seed + 1)):
+        rng = random.Random(stream)
+        lines = ["".join(problem(rng)) + "\n" for _ in range(n)]
+        Path(folder, name).write_text("".join(lines))
+
+
+def final_answer(text: str) -> str:
+    """What follows the last "#" of a decoded answer: the exact-match metric compares these."""
+    return text.rsplit("#", 1)[-1].strip() if "#" in text else ""
+
+
+def read_test(path) -> list:
+    """[(question, answer)] of a test file written by write_task."""
+    pairs = []
+    for line in Path(path).read_text().splitlines():
+        question, sep, answer = line.partition(" A:")
+        require(sep and question.startswith("Q:"), f"--test {path}: {line!r} is not a problem")
+        pairs.append((question + sep, answer))
+    return pairs
+
+
+def decode_answers(model, tok, pairs, sampler) -> dict:
+    """Accuracy (%), tokens per call and tokens/s of one sampler on every test problem, one
+    batch; `sampler` is generate()'s options or "plain" (the causal decoder's speed)."""
+    P = len(pairs[0][0]) + 1  # BOS + question: the fixed format gives every prompt one length
+    A = len(pairs[0][1])
+    prompt = torch.tensor([[tok.bos_id] + tok.encode(q) for q, _ in pairs])
+    require(prompt.shape[1] == P and P + A <= model.cfg.seq_len, "test problems of another format")
+    if sampler == "plain":
+        out = plain_decoder(model, prompt, A)
+    else:
+        out = setdiff.generate(model, prompt=prompt, max_new_tokens=A, temperature=0, **sampler)
+    texts = [tok.decode(row[P:]) for row in out.tokens.cpu()]
+    hits = [final_answer(t) == final_answer(a) for t, (_, a) in zip(texts, pairs)]
+    tokens = len(pairs) * A
+    return dict(
+        accuracy=100 * sum(hits) / len(hits),
+        tokens_per_call=out.tokens_per_step,
+        tokens_per_s=tokens / out.seconds,
+    )
+
+
+def frontier(paths, pairs, device) -> list:
+    rows = []
+    for path in paths:
+        model, tok, _ = setdiff.load_checkpoint(path, device)
+        cfg = model.eval().cfg
+        name = cfg.order if cfg.order in ("ar", "uniform") else f"{cfg.order} d={cfg.set_size}"
+        print(f"model: {path}, {name}", flush=True)
+        w_max = setdiff.max_window(cfg)
+        windows = sorted({min(cfg.set_size, w_max) if cfg.order != "uniform" else w_max, w_max})
+        if cfg.order == "ar":
+            rows.append(
+                dict(model="plain causal decoder", window=1, threshold=None)
+                | decode_answers(model, tok, pairs, "plain")
+            )
+        for window in windows:
+            for tau in THRESHOLDS if window > 1 else THRESHOLDS[:1]:
+                stats = decode_answers(model, tok, pairs, dict(window=window, threshold=tau))
+                rows.append(
+                    dict(model=name, window=window, threshold=None if tau > 1 else tau) | stats
+                )
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("ckpt", nargs="*", metavar="CKPT", help="checkpoints trained on the task's train.txt")
+    add("--write", metavar="DIR", help="write the task: DIR/train.txt and DIR/test.txt")
+    add("--test", metavar="FILE", help="the test problems (DIR/test.txt)")
+    add("--problems", type=int, default=1000, help="test problems decoded (1000)")
+    add("--json", metavar="PATH", help="also write the results here (for experiments/plot.py)")
+    add("--device", help="cpu, cuda, cuda:N or mps (default: the first available)")
+    add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    args = p.parse_args(argv)
+    try:
+        if args.write:
+            write_task(args.write)
+            return print(f"wrote {args.write}/train.txt and {args.write}/test.txt") or 0
+        require(args.ckpt and args.test, "give checkpoints and --test FILE (or --write DIR)")
+        folder = Path(args.json or "x").resolve().parent  # checked before the work
+        require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
+        device, _, how = setdiff.runtime(args.device, "float32", args.threads)
+        print(how)
+        rows = frontier(args.ckpt, read_test(args.test)[: args.problems], device)
+        print_table(rows, args)
+        if args.json:  # a temporary file, then rename: a failed write keeps the old file
+            Path(args.json + ".tmp").write_text(json.dumps(dict(frontier=rows), indent=1) + "\n")
+            os.replace(args.json + ".tmp", args.json)
+    except (ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def print_table(rows: list, args) -> None:
+    print(f"\n## Exact-match accuracy against speed ({args.problems} test problems, greedy)\n")
+    print(
+        "| model | window | threshold | accuracy (%) | tokens/call | tokens/s |\n"
+        + "|---" * 6
+        + "|"
+    )
+    for r in rows:
+        cells = [r["model"], r["window"], r["threshold"] or ">1", f"{r['accuracy']:.1f}"]
+        print(
+            "| "
+            + " | ".join(map(str, cells))
+            + f" | {r['tokens_per_call']:.2f} | {r['tokens_per_s']:,.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
