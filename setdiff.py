@@ -4,14 +4,11 @@ Reference: "Set Diffusion: Interpolating Token Orderings Between Autoregression 
 for Fast and Flexible Decoding", Arriola & Kuleshov, ICML 2026 (arXiv 2607.01775). One network
 and one loss cover autoregression, masked diffusion, block diffusion and everything between;
 the sampler extends a KV cache after every step. README.md ("The method on one page") states
-every formula used here, in this file's order: config -> order policies, staggered schedule ->
-set-causal masks -> transformer -> two-stream forward, loss, bound -> sampler -> checkpoints,
-running -> appendix: the tokenizer shim.
+every formula used here, in this file's order (the banners below).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import json
@@ -100,11 +97,9 @@ class StaggeredSchedule:
 
 def order_schedule(cfg: Config) -> StaggeredSchedule:
     """AR (d = 1) and uniform (d = s = L) are settings of the staggered schedule."""
-    if cfg.order == "ar":
-        return StaggeredSchedule(cfg.seq_len, 1, 1)
-    if cfg.order == "uniform":
-        return StaggeredSchedule(cfg.seq_len, cfg.seq_len, cfg.seq_len)
-    return StaggeredSchedule(cfg.seq_len, cfg.set_size, cfg.max_set_size)
+    L = cfg.seq_len
+    d, s = {"ar": (1, 1), "uniform": (L, L)}.get(cfg.order, (cfg.set_size, cfg.max_set_size))
+    return StaggeredSchedule(L, d, s)
 
 
 def decode_times(cfg: Config, batch_size: int, generator=None) -> torch.Tensor:
@@ -123,10 +118,9 @@ def sample_order(cfg: Config, batch_size: int, generator=None, device=None, give
     sort: given positions tie at -inf and padding at +inf, so both keep their position order.
     Drawn on the CPU from `generator`: the orders do not depend on the device."""
     T = decode_times(cfg, batch_size, generator)  # (B, L)
-    first = torch.zeros(batch_size, cfg.seq_len, dtype=torch.bool)
-    first[:, 0] = True
+    first = torch.arange(cfg.seq_len) == 0  # (L,): position 0 is always given
     if given is not None:
-        first |= given.cpu()
+        first = first | given.cpu()  # (B, L)
     key = torch.where(first, -math.inf, -T)
     if pad is not None:
         key = torch.where(pad.cpu(), math.inf, key)
@@ -135,9 +129,7 @@ def sample_order(cfg: Config, batch_size: int, generator=None, device=None, give
 
 def max_window(cfg: Config) -> int:
     """The largest sampler window a policy met in training (larger windows pose unseen
-    queries): ar 1, block d (block-aligned), uniform L, staggered min(L, ceil(reach))."""
-    if cfg.order == "ar":
-        return 1
+    queries): block d (block-aligned), else min(L, ceil(reach)): ar 1, uniform L."""
     if cfg.order == "block":
         return cfg.set_size
     return order_schedule(cfg).window
@@ -163,9 +155,8 @@ def set_causal_mask(L: int, device=None) -> torch.Tensor:
     slot = torch.arange(2 * L, device=device)
     rank = slot % L  # clean slot i and mask slot i share step i
     is_mask = slot >= L
-    q = (rank[:, None], is_mask[:, None], slot[:, None])
-    k = (rank[None, :], is_mask[None, :], slot[None, :])
-    return set_causal_predicate(*q, *k)
+    q = (rank[:, None], is_mask[:, None], slot[:, None])  # queries down, keys (2L,) across
+    return set_causal_predicate(*q, rank, is_mask, slot)
 
 
 def no_empty_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -352,28 +343,27 @@ class Elbo:
         )
 
 
-ORDER_CHUNK = 1024  # rows whose orders are drawn together: the bound ignores batch_size
-
-
 @torch.no_grad()
 def elbo(model, x, num_orders=1, batch_size=32, generator=None, given=None, progress=False):
     """The bound exp(sum NLL / sum tokens) over rows x (N, L), K sampled orders per row, dropout
     off. `given` (N, L) bool marks context (an infill or prefix bound): it comes first in every
     order and is not scored; position 0 and padding are never scored either."""
-    cfg, device, was_training = model.cfg, next(model.parameters()).device, model.training
+    device = next(model.parameters()).device
     x = x.long().cpu()
     given = torch.zeros_like(x, dtype=torch.bool) if given is None else given.cpu().clone()
     given[:, 0] = True  # BOS, or the token that opens the row: given, not predicted
-    pad = padding(cfg, x)
+    pad = padding(model.cfg, x)
     scored = ~given & ~pad  # (N, L)
     row_nll = torch.zeros(len(x), dtype=torch.float64)  # on the CPU: MPS has no float64
+    was_training = model.training
     model.eval()  # dropout off; restored below
     bar = tqdm(total=len(x) * num_orders, unit="row", desc="bound", disable=not progress)
-    for start in range(0, len(x), ORDER_CHUNK):
-        chunk = slice(start, start + ORDER_CHUNK)
+    chunk_rows = 1024  # rows whose orders are drawn together: the bound ignores batch_size
+    for start in range(0, len(x), chunk_rows):
+        chunk = slice(start, start + chunk_rows)
         for _ in range(num_orders):
             n = len(x[chunk])
-            orders = sample_order(cfg, n, generator, given=given[chunk], pad=pad[chunk])
+            orders = sample_order(model.cfg, n, generator, given=given[chunk], pad=pad[chunk])
             for b in range(0, n, batch_size):
                 rows = slice(start + b, start + min(b + batch_size, n))
                 xb = x[rows].to(device)  # (B, L)
@@ -500,8 +490,7 @@ class KVCache:
         self.length = length
         head_dim = cfg.d_model // cfg.n_head
         self.shape = (cfg.n_layer, batch_size, cfg.n_head, length + max_call, head_dim)
-        self.k = None  # allocated by the first call, in its compute dtype
-        self.v = None
+        self.k = self.v = None  # allocated by the first call, in its compute dtype
         self.filled = torch.zeros(batch_size, length, dtype=torch.bool, device=device)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -584,11 +573,7 @@ def generate(
     default). `use_cache=False` runs the cache-free reference step."""
     cfg, device = model.cfg, next(model.parameters()).device
     w = sampler_window(cfg, window, threshold, temperature, top_p)  # checks them all
-    require(prompt is None or infill is None, "give a prompt or an infill sequence, not both")
-    if infill is not None:
-        x = infill_canvas(cfg, infill, batch_size, device)
-    else:
-        x = prompt_canvas(cfg, prompt, batch_size, max_new_tokens, device)
+    x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
     B, T = x.shape
     start = time.perf_counter()
     reveal_step = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
@@ -618,8 +603,7 @@ def generate(
         b, j = reveal.nonzero(as_tuple=True)  # (N,) rows and queries revealed
         x[b, q_idx[b, j]] = cand[b, j]
         reveal_step[b, q_idx[b, j]] = nfe
-        pending = torch.zeros_like(pending)
-        pending[b, q_idx[b, j]] = True
+        pending = reveal_step == nfe  # this step's set: the next call caches it
         steps += ~done
         nfe += 1
         done |= (x != cfg.mask_id).all(1)
@@ -651,25 +635,20 @@ def stop_at_first_eos(cfg: Config, x, reveal_step):
 CHECKPOINT_FORMAT = "setdiff-checkpoint-2"  # 2: the authors' network (tanh GELU, head bias)
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file beside `path`, then rename: a crash or a full disk
-    leaves the previous file intact."""
+def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
+    """Config, tokenizer spec and weights, plus any extras (optimizer, step, ...), written to a
+    temporary file beside `path`, then renamed: a crash or a full disk keeps the previous file."""
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    head = {"format": CHECKPOINT_FORMAT, "config": asdict(model.cfg), "tokenizer": tokenizer.spec()}
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        torch.save(head | {"model": model.state_dict()} | extra, tmp)
         os.replace(tmp, path)
     except RuntimeError as e:  # torch reports a full disk as a RuntimeError
         raise OSError(f"could not write {path}: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
-    """Config, tokenizer spec and weights, plus any extras (optimizer, step, ...)."""
-    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
-    head = {"format": CHECKPOINT_FORMAT, "config": asdict(model.cfg), "tokenizer": tokenizer.spec()}
-    atomic_save(head | {"model": model.state_dict()} | extra, path)
 
 
 def load_checkpoint(path, device="cpu"):
@@ -688,12 +667,10 @@ def load_checkpoint(path, device="cpu"):
     require(fmt == CHECKPOINT_FORMAT, f"{path} is not a setdiff checkpoint")
     try:  # an unknown config field or weight: another version
         model = SetDiffusionLM(Config(**ckpt["config"]))
-        tok = Tokenizer.from_spec(ckpt["tokenizer"])
         model.load_state_dict(ckpt["model"], strict=True)
     except (TypeError, RuntimeError, KeyError) as e:
-        first = str(e).splitlines()[0]
-        raise ValueError(f"{path} does not match this setdiff.py: {first}") from None
-    return model.to(device), tok, ckpt
+        raise ValueError(f"{path} does not match this setdiff.py: {first_line(e)}") from None
+    return model.to(device), Tokenizer.from_spec(ckpt["tokenizer"]), ckpt
 
 
 # The released SetDLMs (lm1b-setdlm-smax{8,16,32}, owt-setdlm-smax{8,16,32}) are this model:
@@ -719,20 +696,14 @@ def load_released(folder, device="cpu"):
     spec = read_json(path, "a released model's config.json")
     kind = released_kind(spec)
     require(kind is None, f"{folder} holds {kind}: setdiff runs the released SetDLM DiTs only")
-    tok = released_tokenizer(folder)
-    net, noise, L = spec["backbone_config"], spec["noise_config"], spec["length"]
-    d = noise["desired_block_size"]
-    s = noise.get("max_block_size", L)
-    # NOTE: config.json says max_block_size = L, but the training-time schedule ignored it and
-    # used s = min(2d, L); the authors' own evaluation loader maps it back the same way.
-    if s == L:
-        s = min(2 * d, L)
-    shape = dict(n_layer=net["num_layers"], n_head=net["n_heads"], d_model=net["hidden_size"])
-    ids = dict(
-        mask_id=spec["mask_token_id"], bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
-    )
-    schedule = dict(order="staggered", set_size=d, max_set_size=s)
-    cfg = Config(net["vocab_size"], L, **shape, dropout=net["dropout"], **schedule, **ids)
+    if os.path.isfile(os.path.join(folder, "vocab.txt")):  # BERT WordPiece (the LM1B models)
+        tok = Tokenizer.from_vocab(os.path.join(folder, "vocab.txt"))
+    else:  # GPT-2 byte-level BPE (the OWT models)
+        tok = Tokenizer.from_bpe(*(os.path.join(folder, f) for f in ("vocab.json", "merges.txt")))
+    try:
+        cfg = released_config(spec, tok)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks a field a SetDLM's config.json has: {e}") from None
     match = cfg.vocab_size == tok.vocab_size and cfg.mask_id == tok.mask_id
     require(match, f"{folder}: its tokenizer files do not fit config.json (vocab size, MASK id)")
     weights = {}
@@ -748,9 +719,26 @@ def load_released(folder, device="cpu"):
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
-        first = " ".join(str(e).split())[:300]
-        raise ValueError(f"{folder}: its weights do not fit its config.json: {first}") from None
+        raise ValueError(f"{folder}: the weights do not fit config.json: {first_line(e)}") from None
     return model.to(device), tok, {"config": asdict(cfg), "released": os.fspath(folder)}
+
+
+def released_config(spec: dict, tok: Tokenizer) -> Config:
+    net, noise, L = spec["backbone_config"], spec["noise_config"], spec["length"]
+    d = noise["desired_block_size"]
+    s = noise.get("max_block_size", L)
+    # NOTE: config.json says max_block_size = L, but the training-time schedule ignored it and
+    # used s = min(2d, L); the authors' own evaluation loader maps it back the same way.
+    if s == L:
+        s = min(2 * d, L)
+    shape = dict(n_layer=net["num_layers"], n_head=net["n_heads"], d_model=net["hidden_size"])
+    ids = dict(mask_id=spec["mask_token_id"], bos_id=tok.bos_id, eos_id=tok.eos_id)
+    rest = dict(dropout=net["dropout"], set_size=d, max_set_size=s, pad_id=tok.pad_id)
+    return Config(net["vocab_size"], L, **shape, **ids, **rest)
+
+
+def first_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
 
 
 def released_kind(spec) -> str | None:
@@ -780,23 +768,9 @@ def read_json(path, what: str):
         raise ValueError(f"{path} is not JSON ({e}): not {what}") from None
 
 
-def released_tokenizer(folder) -> Tokenizer:
-    """BERT WordPiece from vocab.txt, or GPT-2 byte-level BPE from vocab.json + merges.txt."""
-    if os.path.isfile(os.path.join(folder, "vocab.txt")):
-        return Tokenizer.from_vocab(os.path.join(folder, "vocab.txt"))
-    return Tokenizer.from_bpe(
-        os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-    )
-
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-SAFETENSORS_DTYPES |= {"I64": torch.int64, "BOOL": torch.bool}
-
-
 def released_weights(folder) -> dict:
-    """The state dict of pytorch_model.bin, or of model.safetensors read without a dependency:
-    an 8-byte little-endian header size, a JSON header {name: dtype, shape, data_offsets},
-    then the raw little-endian bytes."""
+    """pytorch_model.bin's state dict, or model.safetensors read without a dependency: an 8-byte
+    little-endian header size, a JSON header {name: dtype, shape, data_offsets}, the raw bytes."""
     bin_path = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(bin_path):
         try:
@@ -812,21 +786,21 @@ def released_weights(folder) -> dict:
         header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    header.pop("__metadata__", None)
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    dtypes |= {"I64": torch.int64, "BOOL": torch.bool}
     weights = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         start, end = info["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        dtype = dtypes[info["dtype"]]
         raw = data[8 + n + start : 8 + n + end]
         weights[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(info["shape"])
     return weights
 
 
-# ---- Running: user errors, inputs, the mask printer, device, dtype, wrapped rows -----------
+# ---- Running: user errors, inputs, the mask printer, device, dtype ------------------------
 def require(ok, message: str):
-    """Errors a user can cause are ValueErrors whose message says what to do; the scripts
-    print them in one line."""
+    """A user error: a ValueError whose message says what to do (scripts print it in one line)."""
     if not ok:
         raise ValueError(message)
 
@@ -842,9 +816,8 @@ def check_config(cfg: Config) -> None:
     if cfg.order == "staggered":
         s = cfg.max_set_size
         require(d <= s <= L, f"the window s (max set size) must be in [d={d}, L={L}], got {s}")
-    head_dim = cfg.d_model // cfg.n_head
-    require(head_dim * cfg.n_head == cfg.d_model, "d_model must be a multiple of n_head")
-    require(head_dim % 2 == 0, "d_model / n_head must be even (rotary embeddings rotate pairs)")
+    require(cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head")
+    require(cfg.d_model // cfg.n_head % 2 == 0, "d_model / n_head must be even (rotary pairs)")
     for i in (cfg.mask_id, cfg.bos_id, cfg.eos_id, cfg.pad_id):
         require(i is None or 0 <= i < cfg.vocab_size, f"the special id {i} is not in the vocab")
     others = (cfg.bos_id, cfg.eos_id, cfg.pad_id)
@@ -854,10 +827,10 @@ def check_config(cfg: Config) -> None:
 
 
 def sampler_window(cfg: Config, window, threshold: float, temperature: float, top_p: float):
-    """Check the sampling options of `generate`; -> the window (default: d for the staggered
-    policy, else the largest window)."""
+    """Check `generate`'s sampling options -> the window (default: d if staggered, else the max)."""
     w_max = max_window(cfg)
-    w = (cfg.set_size if cfg.order == "staggered" else w_max) if window is None else int(window)
+    default = cfg.set_size if cfg.order == "staggered" else w_max
+    w = default if window is None else int(window)
     require(math.isfinite(temperature) and temperature >= 0, "temperature must be >= 0 (0: greedy)")
     require(0 < top_p <= 1, f"top-p must be in (0, 1], got {top_p}")
     require(not math.isnan(threshold), "the threshold must be a number (> 1: one token a step)")
@@ -871,56 +844,46 @@ def show_mask(mask: torch.Tensor) -> str:
     L = mask.shape[0] // 2
     names = [f"c{i}" for i in range(L)] + [f"m{i}" for i in range(L)]
     w = max(len(n) for n in names)
-
-    def cells(values):  # the clean half | the mask half
-        left = " ".join(v.rjust(w) for v in values[:L])
-        return left + " | " + " ".join(v.rjust(w) for v in values[L:])
-
-    lines = [" " * (w + 2) + cells(names)]
-    for name, row in zip(names, mask.tolist()):
-        lines.append(f"{name.rjust(w)} [{cells([str(int(v)) for v in row])} ]")
+    cells = []  # per line: the clean half | the mask half
+    for values in [names] + [[str(int(v)) for v in row] for row in mask.tolist()]:
+        values = [v.rjust(w) for v in values]
+        cells.append(" ".join(values[:L]) + " | " + " ".join(values[L:]))
+    lines = [" " * (w + 2) + cells[0]]  # the header: key names
+    lines += [f"{name.rjust(w)} [{row} ]" for name, row in zip(names, cells[1:])]
     return "\n".join(lines)
 
 
-def context_rows(cfg: Config, ids, batch_size: int, device) -> torch.Tensor:
-    """ids (T,) or (B, T) -> (B', T') long, one row repeated batch_size times or B rows, with
-    BOS prepended where the model has one and the rows lack it."""
-    rows = torch.as_tensor(ids, dtype=torch.long).to(device)
-    rows = rows[None] if rows.dim() == 1 else rows
-    require(rows.dim() == 2, f"give token ids of shape (T,) or (B, T), got {tuple(rows.shape)}")
-    ok = len(rows) == 1 or batch_size in (1, len(rows))
-    require(ok, f"{len(rows)} rows of ids for batch_size {batch_size}: give 1 row or batch_size")
-    in_vocab = not rows.numel() or (0 <= rows.min() and rows.max() < cfg.vocab_size)
+def canvas(cfg: Config, prompt, infill, batch_size: int, max_new_tokens, device):
+    """The starting rows: BOS + prompt, then MASK at the positions to generate; or, to infill,
+    the context with MASK at the positions to fill. Either is ids (T,) or (B, T): one row
+    repeated batch_size times, or B rows; BOS is prepended where the model has one."""
+    require(prompt is None or infill is None, "give a prompt or an infill sequence, not both")
+    if prompt is None and infill is None:  # BOS, or without one EOS: a new document
+        prompt = [cfg.eos_id if cfg.bos_id is None else cfg.bos_id]
+    src = torch.as_tensor(prompt if infill is None else infill, dtype=torch.long).to(device)
+    src = src[None] if src.dim() == 1 else src
+    require(src.dim() == 2, f"give token ids of shape (T,) or (B, T), got {tuple(src.shape)}")
+    ok = len(src) == 1 or batch_size in (1, len(src))
+    require(ok, f"{len(src)} rows of ids for batch_size {batch_size}: give 1 row or batch_size")
+    in_vocab = not src.numel() or (0 <= src.min() and src.max() < cfg.vocab_size)
     require(in_vocab, f"token ids must lie in [0, {cfg.vocab_size}): from another tokenizer?")
-    rows = rows.expand(max(batch_size, len(rows)), -1).clone()
-    starts = rows[:, 0] == cfg.bos_id if rows.shape[1] else torch.zeros(len(rows), dtype=torch.bool)
-    if cfg.bos_id is None or starts.all():
-        return rows
-    require(not starts.any(), "some rows start with BOS, some do not")
-    return torch.cat([torch.full_like(rows[:, :1], cfg.bos_id), rows], 1)
-
-
-def prompt_canvas(cfg: Config, prompt, batch_size: int, max_new_tokens, device):
-    """The starting rows: BOS + prompt, then MASK at the positions to generate."""
-    start = cfg.eos_id if cfg.bos_id is None else cfg.bos_id  # no BOS: start a new document
-    src = context_rows(cfg, [start] if prompt is None else prompt, batch_size, device)
-    require(src.shape[1] > 0, "the prompt is empty and this model has no BOS to start from")
-    require(not (src == cfg.mask_id).any(), "the prompt contains MASK: use infill= to fill holes")
+    src = src.expand(max(batch_size, len(src)), -1).clone()
+    starts = src[:, 0] == cfg.bos_id if src.shape[1] else torch.zeros(len(src), dtype=torch.bool)
+    if cfg.bos_id is not None and not starts.all():
+        require(not starts.any(), "some rows start with BOS, some do not")
+        src = torch.cat([torch.full_like(src[:, :1], cfg.bos_id), src], 1)
     P, L = src.shape[1], cfg.seq_len
+    if infill is not None:
+        require((src == cfg.mask_id).any(1).all(), "infill needs a MASK to fill in every row")
+        require((src[:, 0] != cfg.mask_id).all(), "position 0 is always given: it cannot be a MASK")
+        require(P <= L, f"{P} infill tokens (with BOS) exceed L={L}")
+        return src
+    require(P > 0, "the prompt is empty and this model has no BOS to start from")
+    require(not (src == cfg.mask_id).any(), "the prompt contains MASK: use infill= to fill holes")
     require(P < L, f"a prompt of {P} tokens (with BOS) leaves no room in the L={L} context")
     new = L - P if max_new_tokens is None else int(max_new_tokens)
     require(1 <= new <= L - P, f"max_new_tokens must be in [1, {L - P}] after {P} prompt tokens")
     return torch.cat([src, torch.full((len(src), new), cfg.mask_id, device=device)], 1)
-
-
-def infill_canvas(cfg: Config, infill, batch_size: int, device):
-    """The starting rows of infilling: the context, with MASK at the positions to fill."""
-    src = context_rows(cfg, infill, batch_size, device)
-    require((src == cfg.mask_id).any(1).all(), "infill needs a MASK to fill in every row")
-    require((src[:, 0] != cfg.mask_id).all(), "position 0 is always given: it cannot be a MASK")
-    L = cfg.seq_len
-    require(src.shape[1] <= L, f"{src.shape[1]} infill tokens (with BOS) exceed L={L}")
-    return src
 
 
 def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
@@ -931,14 +894,14 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
     processes leave idle. NOTE: torch's default, a thread per core, collapses when other work
     shares the cores (batch-1 sampling measured 7 vs 299 tokens/s with one thread)."""
     have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    have["cpu"] = True
-    name = device if device and device != "auto" else next(k for k in have if have[k])
+    usable = [k for k in have if have[k]] + ["cpu"]
+    name = device if device and device != "auto" else usable[0]
     kind = re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", name)
-    usable = " or ".join(k for k in have if have[k])
-    require(kind and have[kind[1]], f"--device {name!r} is not available here; use {usable}")
+    use = " or ".join(usable)
+    require(kind and kind[1] in usable, f"--device {name!r} is not available here; use {use}")
     where = torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
     why = "a GPU is available" if name != "cpu" else "no GPU found"
-    why = "requested with --device" if device else why
+    why = "requested with --device" if device not in (None, "auto") else why
     if dtype != "auto":
         how, why_dtype = getattr(torch, dtype), "requested with --dtype"
     elif where.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -956,9 +919,7 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
 
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def synchronize(device: torch.device) -> None:
@@ -975,9 +936,8 @@ def synchronize(device: torch.device) -> None:
 #              only; the ids of HuggingFace's BertWordPieceTokenizer(lowercase=True).
 #   bpe:       GPT-2 byte-level BPE from vocab.json + merges.txt (the OWT models), MASK appended.
 class Tokenizer:
-    """Text <-> ids with named special ids: Tokenizer.bytes(), .from_vocab(vocab.txt) or
-    .from_bpe(vocab.json, merges.txt). encode() adds no special tokens; decode() leaves out PAD,
-    MASK and a BOS that is not also EOS, and writes EOS as a newline (GPT-2: <|endoftext|>)."""
+    """encode() adds no special tokens; decode() leaves out PAD, MASK and a BOS that is not also
+    EOS, and writes EOS as a newline (GPT-2: <|endoftext|>)."""
 
     def __init__(self, kind: str, pieces=None, merges=None, source: str = "vocab"):
         require(kind in ("bytes", "wordpiece", "bpe"), f"unknown tokenizer kind {kind!r}")
@@ -985,6 +945,8 @@ class Tokenizer:
         self.pieces = list(pieces or [])  # id -> piece
         self.ids = {piece: i for i, piece in enumerate(self.pieces)}  # piece -> id
         self.memo = {}  # word -> ids: natural text repeats few words
+        self.merges = [tuple(m) for m in merges or []]  # GPT-2's pair merges, best first
+        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
         self.unk_id = None
         if kind == "bytes":  # ids 0..255 are the bytes; the specials follow
             self.pad_id, self.bos_id, self.eos_id, self.mask_id = 256, 257, 258, 259
@@ -999,8 +961,6 @@ class Tokenizer:
             self.longest = max(map(len, self.pieces))
         else:
             self._check_vocab((GPT2_EOS,), source, "GPT-2's vocab.json")
-            self.merges = [tuple(m) for m in merges]
-            self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
             self.pad_id = self.bos_id = None  # OWT rows: raw chunks of the document stream
             self.eos_id = self.ids[GPT2_EOS]
             self.mask_id = len(self.pieces)  # appended, as the authors add it (50257 for GPT-2)
@@ -1022,10 +982,9 @@ class Tokenizer:
         """BERT uncased WordPiece from a vocab.txt: one token per line, id = line number."""
         # NOTE: split at "\n" only: str.splitlines() also splits at U+2028, U+0085, ...,
         # which may be (part of) tokens. A final newline is optional; CRLF is accepted.
-        lines = read_text(path, "the vocab.txt of a BERT uncased model").split("\n")
-        if lines[-1] == "":
-            lines = lines[:-1]
-        return cls("wordpiece", [s.removesuffix("\r") for s in lines], source=f"vocab file {path}")
+        text = read_text(path, "the vocab.txt of a BERT uncased model")
+        pieces = [s.removesuffix("\r") for s in text.removesuffix("\n").split("\n")]
+        return cls("wordpiece", pieces, source=f"vocab file {path}")
 
     @classmethod
     def from_bpe(cls, vocab_json, merges_txt) -> Tokenizer:
@@ -1051,7 +1010,7 @@ class Tokenizer:
         """JSON-ready; it carries the vocab (and merges), so no file is needed later."""
         if self.kind == "bytes":
             return {"kind": "bytes"}
-        return {"kind": self.kind, "vocab": self.pieces, "merges": getattr(self, "merges", None)}
+        return {"kind": self.kind, "vocab": self.pieces, "merges": self.merges}
 
     def encode(self, text: str) -> list:
         if self.kind == "bytes":
@@ -1108,28 +1067,29 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Text of ids (list, tensor or array). WordPiece pieces are joined by spaces, except
         that a "##" piece continues the previous one; GPT-2 pieces are bytes."""
-        ids = [self._check_id(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        last = self.vocab_size - 1
+        for i in ids:  # a negative id would silently index from the end of the vocab
+            ok = isinstance(i, (int, np.integer)) and 0 <= i <= last
+            require(ok, f"token id {i!r} is outside this tokenizer's vocab (0..{last})")
         ids = [i for i in ids if i not in self.silent]
         if self.kind == "bytes":
             return bytes(10 if i == self.eos_id else i for i in ids).decode("utf-8", "replace")
-        if self.kind == "bpe":
-            return _gpt2_text("".join(self.pieces[i] for i in ids))
+        if self.kind == "bpe":  # byte characters: join the bytes first (a character may span ids)
+            data = bytes(_CHAR_BYTES[c] for i in ids for c in self.pieces[i])
+            try:  # lone surrogates round-trip (see _gpt2_words)
+                return data.decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:  # ids that cut a character: U+FFFD
+                return data.decode("utf-8", "replace")
         out = []
         for i in ids:
             piece = "\n" if i == self.eos_id else self.pieces[i]
             if piece.startswith("##"):
-                out.append(piece[2:])
-            elif piece == "\n" or not out or out[-1] == "\n":
-                out.append(piece)
-            else:
-                out.append(" " + piece)
+                piece = piece[2:]
+            elif out and "\n" not in (piece, out[-1]):  # a space between words, not at a newline
+                piece = " " + piece
+            out.append(piece)
         return "".join(out)
-
-    def _check_id(self, i) -> int:
-        # a negative id would silently index from the end of the vocab
-        ok = isinstance(i, (int, np.integer)) and 0 <= i < self.vocab_size
-        require(ok, f"token id {i!r} is outside this tokenizer's vocab (0..{self.vocab_size - 1})")
-        return i
 
 
 def read_text(path, what: str) -> str:
@@ -1159,8 +1119,7 @@ def _bert_words(text: str) -> list:
 class _CharMap(dict):
     """A str.translate table that computes each character's rule on first use."""
 
-    def __init__(self, rule):
-        super().__init__()
+    def __init__(self, rule):  # no dict.__init__: the table starts empty
         self.rule = rule
 
     def __missing__(self, cp: int) -> str:
@@ -1208,11 +1167,6 @@ def _spans(text: str) -> list:
 
 def _code_points(text: str) -> frozenset:
     return frozenset(cp for lo, hi in _spans(text) for cp in range(lo, hi + 1))
-
-
-def _char_class(spans) -> str:
-    """The inside of a regex character class [...] for these code point ranges."""
-    return "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in spans)
 
 
 # The Unicode White_Space property: whitespace for BERT and GPT-2 alike (Python's isspace()
@@ -1276,7 +1230,9 @@ def _gpt2_pattern() -> re.Pattern:
         if kind in spans:
             run = list(run)
             spans[kind].append((run[0], run[-1]))
-    L, N, S = _char_class(spans["L"]), _char_class(spans["N"]), _char_class(_spans(_WHITE_SPACE))
+    spans["S"] = _spans(_WHITE_SPACE)
+    # the insides of the character classes [...] of letters, numbers and whitespace
+    L, N, S = ("".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in spans[kind]) for kind in "LNS")
     words = f"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+"
     return re.compile(words + f"|[{S}]+(?![^{S}])|[{S}]+")
 
@@ -1285,13 +1241,3 @@ def _gpt2_words(text: str) -> list:
     """GPT-2's pre-tokens of `text`, as byte characters (surrogatepass: lone surrogates too)."""
     words = _gpt2_pattern().findall(text)
     return ["".join(_BYTE_CHARS[b] for b in w.encode("utf-8", "surrogatepass")) for w in words]
-
-
-def _gpt2_text(chars: str) -> str:
-    """Byte characters back to text, the bytes joined first (a character may span tokens); ids
-    that cut a character give U+FFFD."""
-    data = bytes(_CHAR_BYTES[c] for c in chars)
-    try:
-        return data.decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:
-        return data.decode("utf-8", "replace")

@@ -1,8 +1,9 @@
 """The tables behind the README's figures, then the figures (matplotlib for the drawing only):
 runs' metrics.jsonl -> assets/training.png; compare.py --json -> assets/frontier.png and the
-tokens per call each model reaches within 10% of its quality at one token per call.
+tokens per call each model reaches within 10% of its quality at one token per call;
+frontier.py --json -> assets/reasoning.png (accuracy against tokens per call and tokens/s).
 
-    python experiments/plot.py assets/runs/*.jsonl assets/compare.json
+    python experiments/plot.py assets/runs/*.jsonl assets/compare.json assets/reasoning.json
 """
 
 import json
@@ -52,7 +53,7 @@ def print_tables(runs: dict, compare: dict | None) -> None:
         print("|---|---|\n" + "\n".join(f"| {m} | {t:.2f} |" for m, t in within(compare).items()))
 
 
-def draw(runs: dict, compare: dict | None) -> None:
+def draw(runs: dict, compare: dict | None, reasoning: dict | None = None) -> None:
     try:
         import matplotlib.pyplot as plt
     except ImportError:
@@ -78,6 +79,22 @@ def draw(runs: dict, compare: dict | None) -> None:
         ax.xaxis.set_major_formatter("{x:g}")
         ax.set(xlabel="tokens per network call", ylabel="judged NLL (nats/token, AR judge)")
         figures.append((fig, ax, "Quality against speed", "frontier.png"))
+    if reasoning:  # one line a model and window: accuracy against tokens per call, tokens/s
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+        lines = {}
+        for r in reasoning["frontier"]:
+            lines.setdefault(f"{r['model']}, w={r['window']}", []).append(r)
+        for i, (name, rows) in enumerate(lines.items()):
+            for ax, key in zip(axes, ("tokens_per_call", "tokens_per_s")):
+                points = sorted((r[key], r["accuracy"]) for r in rows)
+                ax.plot(*zip(*points), label=name, marker="o", ms=3, color=f"C{i % 10}")
+        axes[0].set(xlabel="tokens per network call", ylabel="exact-match accuracy (%)")
+        axes[1].set(xlabel="tokens/s (all test problems in one batch)")
+        axes[1].set_title("and against tokens/s")
+        axes[1].grid(alpha=0.3)
+        figures.append(
+            (fig, axes[0], "Exact-match accuracy against tokens per call", "reasoning.png")
+        )
     for fig, ax, title, name in figures:
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -87,18 +104,19 @@ def draw(runs: dict, compare: dict | None) -> None:
 
 
 def main(paths: list) -> int:
-    jsons = [p for p in paths if p.endswith(".json")]
     try:
-        if not paths or len(jsons) > 1 or not all(p.endswith((".jsonl", ".json")) for p in paths):
-            raise ValueError("give metrics.jsonl files and at most one .json of compare.py --json")
+        if not paths or not all(p.endswith((".jsonl", ".json")) for p in paths):
+            raise ValueError("give metrics.jsonl files and .json files of compare/frontier.py")
         runs = {}
         for p in (Path(p) for p in paths if p.endswith(".jsonl")):  # its folder, or a copy's name
             runs[p.parent.name if p.name == "metrics.jsonl" else p.stem] = training_curve(p)
-        compare = json.loads(Path(jsons[0]).read_text()) if jsons else None
-        print_tables(runs, compare)
-        draw(runs, compare)
-    except KeyError as e:
-        print(f"error: not a metrics.jsonl or compare.py --json (no field {e})", file=sys.stderr)
+        found = {"samples": None, "frontier": None}  # compare.py's, frontier.py's
+        for data in (json.loads(Path(p).read_text()) for p in paths if p.endswith(".json")):
+            found[next(k for k in found if k in data)] = data
+        print_tables(runs, found["samples"])
+        draw(runs, found["samples"], found["frontier"])
+    except (KeyError, StopIteration) as e:
+        print(f"error: not a metrics.jsonl or compare/frontier.py --json ({e!r})", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # a missing file, not JSON, no matplotlib
         print(f"error: {e}", file=sys.stderr)
