@@ -128,13 +128,9 @@ def sampling_options(args, cfg: Config) -> dict:
     seen = f"the {cfg.order} policy met at most {w_max} queries a call in training"
     ok = args.window is None or 1 <= args.window <= w_max
     require(ok, f"--window must be in [1, {w_max}] ({seen}), got {args.window}")
-    window = args.window
-    if args.infill is not None and window is None:
-        # The paper infills with the largest window: holes with right context are easy to
-        # fill together.
-        window = w_max
-    same = ("threshold", "temperature", "top_p", "max_new_tokens", "stop_at_eos")  # same names
-    return {"window": window} | {name: getattr(args, name) for name in same}
+    # (without --window, generate() infills with the largest window, as the paper does)
+    same = ("window", "threshold", "temperature", "top_p", "max_new_tokens", "stop_at_eos")
+    return {name: getattr(args, name) for name in same}
 
 
 def start_ids(args, cfg: Config, tok: Tokenizer) -> dict:
@@ -208,7 +204,8 @@ def sample(args, model, tok: Tokenizer) -> None:
             )
             # strip: a BOS that is also EOS ([CLS] of LM1B), or EOS that starts a GPT-2 document,
             # decodes as a line break
-            print(tok.decode(out.tokens[b]).strip("\n"))
+            kept = out.tokens[b][out.reveal_step[b] != setdiff.ERASED]  # not a stopped row's tail
+            print(tok.decode(kept).strip("\n"))
             if args.show_order:
                 print(decode_order(tok, out.tokens[b].tolist(), out.reveal_step[b].tolist()))
         sys.stdout.flush()  # printed as it goes, also into a pipe

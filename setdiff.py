@@ -73,7 +73,7 @@ class StaggeredSchedule:
         require(1 <= d <= s <= L, f"need 1 <= set size d={d} <= window s={s} <= length L={L}")
         self.L, self.d, self.s = L, d, s
         self.A = d / (2 * L)
-        if d == 1 or d == s:  # straight curves (k = 1) of width 2A; d = 1: a hard step
+        if d == 1 or d == s:  # straight curves (k = 1) of width 2A
             self.k = 1.0
             self.b = 2 * self.A
         else:  # the width b that makes the reach exactly s
@@ -88,6 +88,14 @@ class StaggeredSchedule:
         # is ceil(r), with a tolerance so that r = s gives s.
         self.reach = math.inf if self.b >= 1 else self.b * (L - 1) / (1 - self.b)
         self.window = L if math.isinf(self.reach) else min(L, math.ceil(self.reach - 1e-9))
+
+    def mask_prob(self, t: torch.Tensor) -> torch.Tensor:
+        """m_i(t) for times t (B,) -> (B, L), in float64; d = 1 is a hard step."""
+        u = (t.to(torch.float64)[:, None] - self.loc[None, :]) / self.b  # (B, L)
+        # 1 - (1-u)^k through log1p / expm1: accurate near u = 0 even when k < 1
+        rising = -torch.expm1(self.k * torch.log1p(-u.clamp(0.0, 1.0 - 1e-16)))
+        m = torch.where(u >= 1, 1.0, torch.where(u > 0, rising, 0.0))
+        return (m > 0).double() if self.d == 1 else m
 
     def first_hitting_times(self, batch_size: int, generator=None) -> torch.Tensor:
         """T_i = loc_i + b (1 - exp(-E_i / k)), E_i ~ Exp(1), so that P(T_i <= t) = m_i(t)."""
@@ -129,7 +137,8 @@ def sample_order(cfg: Config, batch_size: int, generator=None, device=None, give
 
 def max_window(cfg: Config) -> int:
     """The largest sampler window a policy met in training (larger windows pose unseen
-    queries): block d (block-aligned), else min(L, ceil(reach)): ar 1, uniform L."""
+    queries): block d (block-aligned), else min(L, ceil(reach)): ar 1, uniform L. NOTE: for
+    d = s the reach d (L - 1) / (L - d) is a little more than s, and so is this window."""
     if cfg.order == "block":
         return cfg.set_size
     return order_schedule(cfg).window
@@ -567,12 +576,13 @@ def generate(
 ) -> Generation:
     """The set sampler, batched: every row has its own window and progress. `prompt` (T,) or
     (B, T) ids to continue, or `infill` with MASK where to fill (the other tokens are context
-    and never change); both are checked in Running, below. The window w defaults to d for the
-    staggered policy, else the largest; tau = `threshold` > 1 reveals one token per step;
-    temperature 0 is greedy; top_p 1 draws from the model's own distribution (the authors'
-    default). `use_cache=False` runs the cache-free reference step."""
-    cfg, device = model.cfg, next(model.parameters()).device
-    w = sampler_window(cfg, window, threshold, temperature, top_p)  # checks them all
+    and never change); both are checked in Running, below. The window w defaults to d for
+    staggered generation, else the largest (infilling too); tau = `threshold` > 1 reveals one
+    token per step; temperature 0 is greedy; top_p 1 draws from the model's own distribution
+    (the authors' default). `use_cache=False` runs the cache-free reference step."""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    w = sampler_window(cfg, window, threshold, temperature, top_p, infill is not None)
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
     B, T = x.shape
     start = time.perf_counter()
@@ -626,18 +636,18 @@ def stop_at_first_eos(cfg: Config, x, reveal_step):
     gaps = ((x == cfg.mask_id) & (pos < first)).any(1)
     stop = (first[:, 0] < x.shape[1]) & ~gaps
     after = stop[:, None] & (pos > first) & (reveal_step != GIVEN)
+    # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_step marks it ERASED
     x[after] = cfg.eos_id if cfg.pad_id is None else cfg.pad_id
     reveal_step[after] = ERASED
     return stop
 
 
 # ---- Checkpoints: setdiff's own, and the authors' released SetDLM folders -------------------
-CHECKPOINT_FORMAT = "setdiff-checkpoint-2"  # 2: the authors' network (tanh GELU, head bias)
+CHECKPOINT_FORMAT = "setdiff-checkpoint-2"  # the layout of save_checkpoint, and the network
 
 
 def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
-    """Config, tokenizer spec and weights, plus any extras (optimizer, step, ...), written to a
-    temporary file beside `path`, then renamed: a crash or a full disk keeps the previous file."""
+    """Config, tokenizer, weights and extras, to a temporary file renamed to `path` (atomic)."""
     model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
     head = {"format": CHECKPOINT_FORMAT, "config": asdict(model.cfg), "tokenizer": tokenizer.spec()}
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
@@ -652,8 +662,7 @@ def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (model, tokenizer, checkpoint dict) of a file save_checkpoint wrote, or of a released
-    model's folder (load_released). Anything else: a ValueError that says what it is."""
+    """(model, tokenizer, checkpoint dict) of save_checkpoint's file or a released model's folder."""
     if os.path.isdir(path):
         return load_released(path, device)
     require(os.path.exists(path), f"checkpoint {path} not found: train one with train_small.py")
@@ -662,7 +671,7 @@ def load_checkpoint(path, device="cpu"):
     except Exception as e:
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
-    old = "its network differs (exact GELU, no head bias): retrain it with this setdiff"
+    old = "its network differs (exact GELU, LayerNorm biases, no head bias): retrain it"
     require(fmt != "setdiff-checkpoint-1", f"{path} was written by an older setdiff; {old}")
     require(fmt == CHECKPOINT_FORMAT, f"{path} is not a setdiff checkpoint")
     try:  # an unknown config field or weight: another version
@@ -670,7 +679,7 @@ def load_checkpoint(path, device="cpu"):
         model.load_state_dict(ckpt["model"], strict=True)
     except (TypeError, RuntimeError, KeyError) as e:
         raise ValueError(f"{path} does not match this setdiff.py: {first_line(e)}") from None
-    return model.to(device), Tokenizer.from_spec(ckpt["tokenizer"]), ckpt
+    return model.to(device).eval(), Tokenizer.from_spec(ckpt["tokenizer"]), ckpt
 
 
 # The released SetDLMs (lm1b-setdlm-smax{8,16,32}, owt-setdlm-smax{8,16,32}) are this model:
@@ -720,17 +729,19 @@ def load_released(folder, device="cpu"):
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{folder}: the weights do not fit config.json: {first_line(e)}") from None
-    return model.to(device), tok, {"config": asdict(cfg), "released": os.fspath(folder)}
+    return model.to(device).eval(), tok, {"config": asdict(cfg), "released": os.fspath(folder)}
 
 
 def released_config(spec: dict, tok: Tokenizer) -> Config:
-    net, noise, L = spec["backbone_config"], spec["noise_config"], spec["length"]
+    net, noise, L = spec["backbone_config"], spec["noise_config"], spec["length"]  # its parts
     d = noise["desired_block_size"]
     s = noise.get("max_block_size", L)
-    # NOTE: config.json says max_block_size = L, but the training-time schedule ignored it and
-    # used s = min(2d, L); the authors' own evaluation loader maps it back the same way.
-    if s == L:
+    # NOTE: config.json says max_block_size = block_size (= L), but the training-time schedule
+    # ignored it and used s = min(2d, L); the authors' own evaluation loader maps it back so.
+    if s == noise.get("block_size", L):
         s = min(2 * d, L)
+    # NOTE: PAD comes from the tokenizer: OWT's config.json names EOS (50256) as its pad id,
+    # but its rows have no padding, and EOS targets are scored (the authors' hub evaluation).
     shape = dict(n_layer=net["num_layers"], n_head=net["n_heads"], d_model=net["hidden_size"])
     ids = dict(mask_id=spec["mask_token_id"], bos_id=tok.bos_id, eos_id=tok.eos_id)
     rest = dict(dropout=net["dropout"], set_size=d, max_set_size=s, pad_id=tok.pad_id)
@@ -742,8 +753,7 @@ def first_line(e: Exception) -> str:
 
 
 def released_kind(spec) -> str | None:
-    """None for a released SetDLM on the authors' DiT; otherwise what the folder holds (the
-    authors' AR, MDLM and BD3-LM baselines and their Qwen3 models share the file format)."""
+    """None for a SetDLM on the authors' DiT, else what it is (their baselines share the format)."""
     require(isinstance(spec, dict), "config.json does not hold an object")
     net = spec.get("backbone_config") or {}
     target = str(net.get("_target_", ""))
@@ -792,7 +802,8 @@ def released_weights(folder) -> dict:
     weights = {}
     for name, info in header.items():
         start, end = info["data_offsets"]
-        dtype = dtypes[info["dtype"]]
+        dtype = dtypes.get(info["dtype"])
+        require(dtype and end > start, f"{path}: setdiff does not read {name} ({info['dtype']})")
         raw = data[8 + n + start : 8 + n + end]
         weights[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(info["shape"])
     return weights
@@ -826,10 +837,11 @@ def check_config(cfg: Config) -> None:
     require(not pad_clash, "PAD must differ from BOS and EOS (padding is never scored)")
 
 
-def sampler_window(cfg: Config, window, threshold: float, temperature: float, top_p: float):
-    """Check `generate`'s sampling options -> the window (default: d if staggered, else the max)."""
+def sampler_window(cfg: Config, window, threshold, temperature, top_p, infill=False) -> int:
+    """Check `generate`'s sampling options -> the window: by default d for staggered generation,
+    else the largest (so for infilling: holes with right context are easy to fill together)."""
     w_max = max_window(cfg)
-    default = cfg.set_size if cfg.order == "staggered" else w_max
+    default = cfg.set_size if cfg.order == "staggered" and not infill else w_max
     w = default if window is None else int(window)
     require(math.isfinite(temperature) and temperature >= 0, "temperature must be >= 0 (0: greedy)")
     require(0 < top_p <= 1, f"top-p must be in (0, 1], got {top_p}")
@@ -854,9 +866,8 @@ def show_mask(mask: torch.Tensor) -> str:
 
 
 def canvas(cfg: Config, prompt, infill, batch_size: int, max_new_tokens, device):
-    """The starting rows: BOS + prompt, then MASK at the positions to generate; or, to infill,
-    the context with MASK at the positions to fill. Either is ids (T,) or (B, T): one row
-    repeated batch_size times, or B rows; BOS is prepended where the model has one."""
+    """The starting rows, BOS (where the model has one) + prompt + MASK to generate, or the infill
+    context with MASK to fill; ids (T,) (repeated batch_size times) or (B, T)."""
     require(prompt is None or infill is None, "give a prompt or an infill sequence, not both")
     if prompt is None and infill is None:  # BOS, or without one EOS: a new document
         prompt = [cfg.eos_id if cfg.bos_id is None else cfg.bos_id]
@@ -887,12 +898,11 @@ def canvas(cfg: Config, prompt, infill, batch_size: int, max_new_tokens, device)
 
 
 def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
-    """Where and how to run, each choice with its reason -> (device, dtype, a line saying so).
-    device: as given (checked), else the first of cuda, mps, cpu; a bare "cuda" is this
-    process's GPU under torchrun. dtype: of autocast (weights, optimizer state and EMA stay
-    float32), bf16 on a GPU that has it. threads: torch's, as given, else the cores that other
-    processes leave idle. NOTE: torch's default, a thread per core, collapses when other work
-    shares the cores (batch-1 sampling measured 7 vs 299 tokens/s with one thread)."""
+    """Where and how to run, each choice with its reason -> (device, dtype, a line saying so):
+    the device given (checked) or the first of cuda, mps, cpu ("cuda" under torchrun: this
+    process's GPU); the autocast dtype, bf16 on a GPU that has it; torch's threads, as given or
+    the cores other processes leave idle. NOTE: torch's default, a thread per core, collapses
+    when other work shares the cores (batch-1 sampling: 7 vs 299 tokens/s with one thread)."""
     have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     usable = [k for k in have if have[k]] + ["cpu"]
     name = device if device and device != "auto" else usable[0]
@@ -906,7 +916,7 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
         how, why_dtype = getattr(torch, dtype), "requested with --dtype"
     elif where.type == "cuda" and torch.cuda.is_bf16_supported():
         how, why_dtype = torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16)"
-    else:  # NOTE: measured 0.64x float32 on a 2-core Xeon, 1.5x on an AVX512-BF16 EPYC
+    else:  # NOTE: measured 0.64x float32 on a 2-core Xeon, 1.3x on one with AMX, 1.5x on an EPYC
         how, why_dtype = torch.float32, "bf16 is not known to be faster: train_small.py --bench"
     cores = os.cpu_count() or 1
     busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
@@ -1008,8 +1018,6 @@ class Tokenizer:
 
     def spec(self) -> dict:
         """JSON-ready; it carries the vocab (and merges), so no file is needed later."""
-        if self.kind == "bytes":
-            return {"kind": "bytes"}
         return {"kind": self.kind, "vocab": self.pieces, "merges": self.merges}
 
     def encode(self, text: str) -> list:
@@ -1148,8 +1156,7 @@ def _finish_char(ch: str) -> str:
 
 
 def _is_punctuation(ch: str) -> bool:
-    """BERT's punctuation: all non-alphanumeric printable ASCII ($, +, <, ^, `, ~ too) and
-    every Unicode P* character."""
+    """BERT's punctuation: non-alphanumeric printable ASCII ($, +, <, ^, `, ~ too) and any P*."""
     return ("!" <= ch <= "~" and not ch.isalnum()) or _category(ch)[0] == "P"
 
 

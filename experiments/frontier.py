@@ -32,18 +32,18 @@ THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 
 
 def problem(rng: random.Random) -> tuple:
-    """-> (question, answer), e.g. "Q:6+1-2+3+1-1-3+2+2 A:", "7 5 8 9 8 5 7 9 #9": a running
-    value mod 10, each one written out before the next (6+1=7, 7-2=5, ...), then the final one.
-    NOTE: steps of 1-3: with any digit a step's result is independent of each input alone
-    (a parity-like target), which a 1,500-step model did not learn at all (measured)."""
+    """-> (question, answer), e.g. "Q:6+1-1+1+1-1-1+1+1 A:", "7 6 7 8 7 6 7 8 #8": a walk mod 10,
+    each running value written out before the next (6+1=7, 7-1=6, ...), then the final one.
+    NOTE: steps of +-1 only, because a 1,500-step model learns them: with steps of any digit a
+    result is independent of each input alone, and it learned nothing (flat at 1.17 nats/token);
+    with steps of 1-3 it reached 28% exact match (all measured)."""
     x = rng.randrange(10)
     question = f"Q:{x}"
     values = []
     for _ in range(STEPS):
         op = rng.choice("+-")
-        y = rng.randint(1, 3)
-        x = (x + y) % 10 if op == "+" else (x - y) % 10
-        question += f"{op}{y}"
+        x = (x + 1) % 10 if op == "+" else (x - 1) % 10
+        question += f"{op}1"
         values.append(str(x))
     return question + " A:", " ".join(values) + f" #{x}"
 
