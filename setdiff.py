@@ -902,7 +902,7 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
     the device given (checked) or the first of cuda, mps, cpu ("cuda" under torchrun: this
     process's GPU); the autocast dtype, bf16 on a GPU that has it; torch's threads, as given or
     the cores other processes leave idle. NOTE: torch's default, a thread per core, collapses
-    when other work shares the cores (batch-1 sampling: 7 vs 299 tokens/s with one thread)."""
+    beside other work (batch-1 sampling, 2 cores, 2 busy: 5-50 tokens/s, 264-282 with 1)."""
     have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     usable = [k for k in have if have[k]] + ["cpu"]
     name = device if device and device != "auto" else usable[0]

@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     try:
         if args.write:
             write_task(args.write)
-            return print(f"wrote {args.write}/train.txt and {args.write}/test.txt") or 0
+            print(f"wrote {args.write}/train.txt and {args.write}/test.txt")
+            return 0
         require(args.ckpt and args.test, "give checkpoints and --test FILE (or --write DIR)")
         folder = Path(args.json or "x").resolve().parent  # checked before the work
         require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
