@@ -6,6 +6,7 @@ authors' description. CPU, tiny models, float32 unless exactness needs float64, 
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -1574,6 +1575,13 @@ def samples_of(out: str) -> list:  # [(header, text)] of every '--- sample i/n: 
 
 def calls_of(header: str) -> int:
     return int(re.search(r": (\d+) network calls, [\d.]+ tokens/call, [\d,]+ tokens/s$", header)[1])
+
+
+def test_sampling_defaults_of_the_library_and_the_script_agree():
+    """The same distribution by default: the model's own (top-p 1, temperature 1), not 0.9."""
+    library = {k: p.default for k, p in inspect.signature(generate).parameters.items()}
+    script = sample.build_parser().parse_args([])
+    assert library["top_p"] == script.top_p == 1.0 and library["temperature"] == script.temperature
 
 
 def test_sample_prompt_infill_bounded_batches_and_ctrl_c(ckpts, capsys, monkeypatch):
