@@ -1959,6 +1959,7 @@ def test_frontier_task_metric_and_a_run_on_two_tiny_models(tmp_path, capsys):
     assert [(r["model"], r["window"], r["threshold"]) for r in rows] == want + [
         ("staggered d=4", w, t) for w in (4, 8) for t in taus
     ]
+    assert rows[0]["accuracy"] is None  # the plain decoder gives a speed, not an accuracy
     shots = pairs[-1:] + pairs[:-1]  # accuracy by hand, from answers decoded here
     prompt = [
         [BYTES.bos_id] + BYTES.encode(s + a) + [BYTES.eos_id] + BYTES.encode(q)

@@ -83,6 +83,9 @@ def draw(runs: dict, compare: dict | None, reasoning: dict | None = None) -> Non
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
         lines = {}
         for r in reasoning["frontier"]:
+            if r["accuracy"] is None:  # the plain decoder: a speed, drawn as a vertical line
+                axes[1].axvline(r["tokens_per_s"], color="k", ls=":", label=r["model"])
+                continue
             lines.setdefault(f"{r['model']}, w={r['window']}", []).append(r)
         for i, (name, rows) in enumerate(lines.items()):
             for ax, key in zip(axes, ("tokens_per_call", "tokens_per_s")):
