@@ -6,6 +6,7 @@ text, so unigram entropy and distinct 4-grams stand beside it. --json: plot.py's
 """
 
 import argparse
+import filecmp
 import json
 import math
 import os
@@ -80,7 +81,9 @@ def compare(args, command: str, device) -> dict:
     require(ok, f"--judge {args.judge} records no validation rows (a train_small.py checkpoint)")
     for path in args.ckpt:  # every check before the work
         _, mtok, ckpt = setdiff.load_checkpoint(path, "cpu")
-        same = mtok.spec() == tok.spec() and (ckpt.get("val_rows") or {}).get("path") == val["path"]
+        mine = str((ckpt.get("val_rows") or {}).get("path"))  # the same rows, in any cache
+        same = os.path.isfile(mine) and filecmp.cmp(mine, val["path"], shallow=False)
+        same = same and mtok.spec() == tok.spec()
         require(same, f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
     shape = (val["rows"], judge.cfg.seq_len)
     rows = np.memmap(val["path"], dtype=np.uint16, mode="r", shape=shape)

@@ -9,6 +9,7 @@ and an AR judge's NLL of the text after the span.
 """
 
 import argparse
+import filecmp
 import json
 import os
 import sys
@@ -101,7 +102,9 @@ def evaluate(args, device) -> dict:
     res = dict(true_span_judged=judged_suffix(judge.eval(), x, starts, truth), models=[])
     for path in args.ckpt:
         model, mtok, ckpt = setdiff.load_checkpoint(path, device)
-        same = mtok.spec() == tok.spec() and (ckpt.get("val_rows") or {}).get("path") == val["path"]
+        mine = str((ckpt.get("val_rows") or {}).get("path"))  # the same rows, in any cache
+        same = os.path.isfile(mine) and filecmp.cmp(mine, val["path"], shallow=False)
+        same = same and mtok.spec() == tok.spec()
         require(same, f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
         print(f"model: {path}, {model.cfg.order}", flush=True)
         fills = fill(model.eval(), x, starts)
