@@ -89,12 +89,13 @@ def draw(runs: dict, compare: dict | None, reasoning: dict | None = None) -> Non
             lines.setdefault(f"{r['model']}, w={r['window']}", []).append(r)
         for i, (name, rows) in enumerate(lines.items()):
             for ax, key in zip(axes, ("tokens_per_call", "tokens_per_s")):
-                points = sorted((r[key], r["accuracy"]) for r in rows)
+                points = [(r[key], r["accuracy"]) for r in rows]  # in threshold order
                 ax.plot(*zip(*points), label=name, marker="o", ms=3, color=f"C{i % 10}")
         axes[0].set(xlabel="tokens per network call", ylabel="exact-match accuracy (%)")
         axes[1].set(xlabel="tokens/s (all test problems in one batch)")
         axes[1].set_title("and against tokens/s")
         axes[1].grid(alpha=0.3)
+        axes[1].legend(fontsize=7)
         figures.append(
             (fig, axes[0], "Exact-match accuracy against tokens per call", "reasoning.png")
         )
