@@ -105,9 +105,11 @@ class StaggeredSchedule:
 
 def order_schedule(cfg: Config) -> StaggeredSchedule:
     """AR (d = 1) and uniform (d = s = L) are settings of the staggered schedule."""
-    L = cfg.seq_len
-    d, s = {"ar": (1, 1), "uniform": (L, L)}.get(cfg.order, (cfg.set_size, cfg.max_set_size))
-    return StaggeredSchedule(L, d, s)
+    if cfg.order == "ar":
+        return StaggeredSchedule(cfg.seq_len, 1, 1)
+    if cfg.order == "uniform":
+        return StaggeredSchedule(cfg.seq_len, cfg.seq_len, cfg.seq_len)
+    return StaggeredSchedule(cfg.seq_len, cfg.set_size, cfg.max_set_size)
 
 
 def decode_times(cfg: Config, batch_size: int, generator=None) -> torch.Tensor:
@@ -678,7 +680,8 @@ def load_checkpoint(path, device="cpu"):
         model = SetDiffusionLM(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"], strict=True)
     except (TypeError, RuntimeError, KeyError) as e:
-        raise ValueError(f"{path} does not match this setdiff.py: {first_line(e)}") from None
+        first = " ".join(str(e).split())[:300]  # a long message in one line
+        raise ValueError(f"{path} does not match this setdiff.py: {first}") from None
     return model.to(device).eval(), Tokenizer.from_spec(ckpt["tokenizer"]), ckpt
 
 
@@ -728,7 +731,8 @@ def load_released(folder, device="cpu"):
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
-        raise ValueError(f"{folder}: the weights do not fit config.json: {first_line(e)}") from None
+        first = " ".join(str(e).split())[:300]
+        raise ValueError(f"{folder}: the weights do not fit config.json: {first}") from None
     return model.to(device).eval(), tok, {"config": asdict(cfg), "released": os.fspath(folder)}
 
 
@@ -746,10 +750,6 @@ def released_config(spec: dict, tok: Tokenizer) -> Config:
     ids = dict(mask_id=spec["mask_token_id"], bos_id=tok.bos_id, eos_id=tok.eos_id)
     rest = dict(dropout=net["dropout"], set_size=d, max_set_size=s, pad_id=tok.pad_id)
     return Config(net["vocab_size"], L, **shape, **ids, **rest)
-
-
-def first_line(e: Exception) -> str:
-    return " ".join(str(e).split())[:300]
 
 
 def released_kind(spec) -> str | None:
