@@ -1259,7 +1259,9 @@ def test_train_resume_and_a_signal_are_exact(tmp_path, monkeypatch, capsys, sig)
     assert [v["step"] for v in val] == [8, 16]
     assert all(v["bytes"] == v["num_seqs"] * 30 for v in val)
     assert train_small.main(run_argv(tmp_path, "split", *steps, "8")) == 0
+    capsys.readouterr()
     assert train_small.main(resume_argv(tmp_path, "split", 16)) == 0
+    assert "; 1 threads" in capsys.readouterr().out  # the run's --threads 1, not the default
     assert [m["loss"] for m in logged(tmp_path / "split", "train")] == loss  # no duplicates
     real = train_small.train_step
     sent = []
@@ -1541,7 +1543,11 @@ def ckpts(tmp_path_factory):
     np.concatenate(rows, 1).astype(np.uint16).tofile(d / "val.bin")
     val = {"path": str(d / "val.bin"), "rows": 13, "bytes_per_token": 1.0}
     other = {**val, "path": str(d / "val.txt")}  # other data than the judge's
-    for name, rows in dict(st=val, ar=val, eos=val, gone={**val, "path": "-"}, other=other).items():
+    (d / "copy").mkdir()  # the judge's rows in another cache folder: the same data
+    (d / "copy" / "val.bin").write_bytes((d / "val.bin").read_bytes())
+    copy = {**val, "path": str(d / "copy" / "val.bin")}
+    runs = dict(st=val, ar=val, eos=val, gone={**val, "path": "-"}, other=other, copy=copy)
+    for name, rows in runs.items():
         model = letters_model("ar" if name == "ar" else "staggered", eos_first=name == "eos")
         setdiff.save_checkpoint(d / f"{name}.pt", model, BYTES, step=7, val_rows=rows)
     setdiff.save_checkpoint(d / "noval.pt", letters_model(), BYTES)
@@ -1845,7 +1851,7 @@ def test_bench_order_stats_and_plot_scripts(ckpts, tmp_path, capsys, monkeypatch
 
 
 def test_compare_writes_the_figures_data_checks_first_and_text_stats(ckpts, tmp_path, capsys):
-    argv = [ckpts / "ar.pt", ckpts / "st.pt", "--judge", ckpts / "ar.pt", "--samples", 3]
+    argv = [ckpts / "ar.pt", ckpts / "copy.pt", "--judge", ckpts / "ar.pt", "--samples", 3]
     assert compare.main([*argv, "--eval-rows", 4, "--json", tmp_path / "cmp.json"]) == 0
     out = capsys.readouterr().out
     assert len(re.findall(r"^\| staggered d=3, s=6 \| [36] \| (>1|0\.\d+) \|", out, re.M)) == 2 * 8

@@ -530,6 +530,8 @@ def setup(args, given) -> argparse.Namespace:
         if rank == 0 and world > 1:
             dist.barrier()
     args = run.args
+    if args.resume:  # the resumed run's --device, --dtype and --threads, unless given again
+        device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads, local_rank)
     # The global batch G is what the optimizer sees on any number of processes: each runs
     # micro-batches of `micro` rows, `accum` times, then DDP averages the gradients.
     G = args.global_batch or args.batch_size
