@@ -1,6 +1,6 @@
-"""The quality/speed frontier on a task with an exact answer. The task: a chain of additions and
-subtractions of digits mod 10 whose intermediate results are written out before the answer, the
-way GSM8K solutions are ("Q:6+6-4 A:2 8 #8"): every result depends on the one before.
+"""The quality/speed frontier on a task with an exact answer. The task: a walk of +1 and -1 steps
+mod 10 whose running values are written out before the answer, the way GSM8K solutions write
+their intermediate results ("Q:6+1-1+1 A:7 6 7 #7"): each value is the one before, plus one step.
 `--write DIR` writes DIR/train.txt and DIR/test.txt, one problem a line, for train_small.py
 --data. Given checkpoints, prompt each test question, decode its answer with the set sampler
 (greedy; thresholds > 1 down to 0.05; windows d and the largest) and report exact-match accuracy,
