@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 # `python experiments/bench.py` puts experiments/ on the path, not the repository root
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 import setdiff  # noqa: E402
 
 THRESHOLDS = (1.01, 0.9, 0.7, 0.5, 0.3, 0.1)
@@ -24,151 +25,216 @@ PLAIN = "plain causal decoder"
 MAX_SPREAD = 1.5  # a sampler's slowest / fastest timed run beyond which nothing is concluded
 
 
+def causal_mask(cache, n):
+    """(B, n, T + n): each of a call's n consecutive tokens sees the cached ones and the call's
+    tokens up to itself."""
+    filled = cache.filled  # (B, T)
+    B, T = filled.shape
+    slot = torch.arange(n, device=filled.device)
+    causal = slot[None, :] <= slot[:, None]  # (n, n)
+    causal = causal.expand(B, n, n)
+    cached = filled[:, None].expand(B, n, T)
+    return torch.cat([cached, causal], 2)
+
+
 @torch.inference_mode()
-def plain_decoder(model, prompt, new_tokens: int, temperature=0.0, top_p=1.0, generator=None):
+def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None):
     """The peer a user would pick instead: a causal decoder with a KV cache on the same network
     and cache, the prompt (B, P) in one causal call, then one token a call. For timing only:
     a set model predicts from MASK queries, not from the last token."""
-    cfg = model.cfg
     device = next(model.parameters()).device
     B, P = prompt.shape
     start = time.perf_counter()
-    cache = setdiff.KVCache(cfg, B, P + new_tokens, max_call=P, device=device)
-    rows = torch.cat([prompt.to(device), prompt.new_zeros(B, new_tokens).to(device)], 1)
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    attn = torch.cat([cache.filled[:, None].expand(B, P, -1), causal.expand(B, P, P)], 2)
-    positions = torch.arange(P, device=device).expand(B, P)
-    for t in range(P - 1, P - 1 + new_tokens):  # token t is stored at slot t
-        h = model.run(rows[:, positions[0]], positions, attn, cache)  # (B, n, D)
-        cache.store(positions, torch.ones_like(positions, dtype=torch.bool))
-        token, _ = setdiff.draw_candidates(model.logits(h[:, -1:]), temperature, top_p, generator)
-        rows[:, t + 1] = token[:, 0]
-        positions = torch.full((B, 1), t + 1, device=device)
-        attn = torch.cat([cache.filled, positions.new_ones(B, 1, dtype=torch.bool)], 1)[:, None]
+    T = P + new_tokens
+    cache = setdiff.KVCache(model.cfg, B, T, max_call=P, device=device)
+    prompt = prompt.to(device)
+    tokens = prompt  # the first call: the prompt
+    positions = torch.arange(P, device=device)
+    positions = positions.expand(B, P)
+    new = []
+    for _ in range(new_tokens):  # the token at position p is stored at slot p
+        attn = causal_mask(cache, tokens.shape[1])
+        logits = model(tokens, positions, attn, cache, queries=1)  # (B, 1, V): the last token's
+        cache.store(positions, positions >= 0)  # every token of the call
+        tokens, _ = setdiff.draw_candidates(logits, temperature, top_p, generator)  # (B, 1)
+        positions = positions[:, -1:] + 1
+        new.append(tokens)
     setdiff.synchronize(device)
-    reveal_step = torch.arange(-P, new_tokens).clamp(min=-1).expand(B, -1)  # call t: P + t
-    steps = torch.full((B,), new_tokens)
-    return setdiff.Generation(rows, reveal_step, new_tokens, steps, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    rows = torch.cat([prompt, *new], 1)  # (B, T)
+    calls = torch.arange(-P, new_tokens)  # call c reveals token P + c; the prompt is given
+    calls = calls.clamp(min=setdiff.GIVEN)
+    reveal_call = calls.expand(B, -1)
+    row_calls = torch.full((B,), new_tokens)
+    return setdiff.Generation(rows, reveal_call, new_tokens, row_calls, seconds)
 
 
-def variants(cfg: setdiff.Config, sampling: dict) -> dict:
+def variants(cfg, sampling):
     """Sampler name -> generate() options; the first two are greedy, with and without cache."""
-    w_max = setdiff.max_window(cfg)
-    w4 = min(4, w_max)
+    largest = setdiff.max_window(cfg)
+    w4 = min(4, largest)
     greedy = dict(window=w4, temperature=0)
-    out = {f"cached, w={w4}": greedy, f"cache-free, w={w4}": greedy | dict(use_cache=False)}
-    for name, w in {"d": min(cfg.set_size, w_max), "s": w_max}.items():
+    out = {f"cached, w={w4}": greedy}
+    out[f"cache-free, w={w4}"] = greedy | dict(use_cache=False)
+    d = setdiff.default_window(cfg)
+    windows = {"d": d, "s": largest}
+    for label, w in windows.items():
         for tau in THRESHOLDS:
-            out[f"w={name}={w}, tau={tau:g}"] = dict(window=w, threshold=tau, **sampling)
+            name = f"w={label}={w}, tau={tau:g}"
+            out[name] = dict(window=w, threshold=tau, **sampling)
     return out
 
 
-def cache_is_exact(model, batch_size: int, window: int) -> bool:
-    """Cached and cache-free greedy sampling give the same tokens and reveal steps, checked on
+def cache_is_exact(model, batch_size, window):
+    """Cached and cache-free greedy sampling give the same tokens and reveal calls, checked on
     a float64 copy (outside autocast): in float32 a near-tie of two candidates can flip one
     reveal, as seen on a weakly trained checkpoint, a false alarm about the cache."""
-    exact = copy.deepcopy(model).double()
-    if next(exact.parameters()).device.type == "mps":  # MPS has no float64
+    exact = copy.deepcopy(model)
+    device = next(exact.parameters()).device
+    if device.type == "mps":  # MPS has no float64
         exact = exact.cpu()
+    exact = exact.double()
     greedy = dict(batch_size=batch_size, window=window, temperature=0)
     cached = setdiff.generate(exact, **greedy)
     free = setdiff.generate(exact, use_cache=False, **greedy)
     same_tokens = torch.equal(cached.tokens, free.tokens)
-    return same_tokens and torch.equal(cached.reveal_step, free.reveal_step)
+    same_calls = torch.equal(cached.reveal_call, free.reveal_call)
+    return same_tokens and same_calls
 
 
-def timed_rounds(model, samplers: dict, sizes: list, repeats: int, plain: dict) -> dict:
+def sample(model, name, B, samplers, plain):
+    """One run of a sampler on B full rows; every run draws the same tokens (a fresh seed)."""
+    g = torch.Generator().manual_seed(0)
+    if name != PLAIN:
+        options = samplers[name]
+        return setdiff.generate(model, batch_size=B, generator=g, **options)
+    cfg = model.cfg
+    first = cfg.eos_id if cfg.bos_id is None else cfg.bos_id  # the token generate() starts with
+    prompt = torch.full((B, 1), first)
+    new_tokens = cfg.seq_len - 1
+    return plain_decoder(model, prompt, new_tokens, generator=g, **plain)
+
+
+def timed_rounds(model, samplers, sizes, repeats, plain):
     """(sampler, batch size) -> (tokens per call, tokens/s of the median run, slowest/fastest).
     Round 0 only warms up (allocation, kernel choice); a burst of load from elsewhere then
     slows one run of every sampler a little, and the median discards it."""
-    keys = [(name, B) for B in sizes for name in [PLAIN, *samplers]]
-    L = model.cfg.seq_len
+    names = [PLAIN, *samplers]
+    keys = [(name, B) for B in sizes for name in names]
     seconds = {key: [] for key in keys}
     last = {}
-    for r in tqdm(range(repeats + 1), desc="bench rounds", leave=False):
+    rounds = range(repeats + 1)
+    for r in tqdm(rounds, desc="bench rounds", leave=False):
         round_start = time.perf_counter()
         for name, B in keys:
-            g = torch.Generator().manual_seed(0)  # fresh: every round draws the same tokens
-            if name == PLAIN:  # from the token generate() starts a row with
-                first = model.cfg.eos_id if model.cfg.bos_id is None else model.cfg.bos_id
-                prompt = torch.full((B, 1), first)
-                last[name, B] = plain_decoder(model, prompt, L - 1, generator=g, **plain)
-            else:
-                last[name, B] = setdiff.generate(model, batch_size=B, generator=g, **samplers[name])
-            seconds[name, B].append(last[name, B].seconds)
+            out = sample(model, name, B, samplers, plain)
+            seconds[name, B].append(out.seconds)
+            last[name, B] = out
         if r == 0:
             rest = (time.perf_counter() - round_start) * repeats
             tqdm.write(f"warm-up round done: the {repeats} timed rounds take about {rest:.0f} s")
     timings = {}
-    for key, (_, *timed) in seconds.items():
-        speed = int(last[key].new_tokens.sum()) / statistics.median(timed)
-        timings[key] = (last[key].tokens_per_step, speed, max(timed) / min(timed))
+    for key, runs in seconds.items():
+        timed = runs[1:]  # after the warm-up
+        out = last[key]
+        new_tokens = int(out.new_tokens.sum())
+        speed = new_tokens / statistics.median(timed)
+        spread = max(timed) / min(timed)
+        timings[key] = (out.tokens_per_call, speed, spread)
     return timings
 
 
-def conclusions(B: int, samplers: dict, timings: dict) -> list:
+def verdict(label, names, timings):
+    """What one group of samplers shows: `timings` name -> (tokens/call, tokens/s, spread)."""
+    plain_speed = timings[PLAIN][1]
+    speed = {name: timings[name][1] for name in names}
+    spreads = [timings[name][2] for name in [PLAIN, *names]]
+    worst = max(spreads)
+    if worst > MAX_SPREAD:
+        spread = f"slowest/fastest {worst:.2f} > {MAX_SPREAD}"
+        advice = "rerun on an idle machine or with more --repeats"
+        return f"the repeats disagree ({spread}): nothing to conclude; {advice}"
+    if label == "greedy":
+        cached, free = names
+        ratio = speed[cached] / speed[free]
+        return f"the KV cache runs at {ratio:.2f}x the cache-free speed"
+    faster = [name for name in names if speed[name] > plain_speed]
+    if not faster:
+        return "the plain decoder is faster at every threshold"
+    first = faster[0]  # tau descends: tokens per call grow
+    tau = first.split(", ")[1]
+    tokens_per_call = timings[first][0]
+    gain = speed[first] / plain_speed
+    where = f"{tau}, {tokens_per_call:.2f} tokens/call ({gain:.2f}x)"
+    return f"the set sampler overtakes the plain decoder at {where}"
+
+
+def conclusions(B, samplers, timings):
     """What the table shows at batch size B: the cache's speed-up, and from which threshold
-    (tau descends: tokens per call grow) each window overtakes the plain decoder; a warning
-    instead where the repeats of a sampler that a line rests on disagree."""
-    cached, free = list(samplers)[:2]
-    groups = {"greedy": [cached, free]}
-    for w in ("d", "s"):
-        names = [name for name in samplers if name.startswith(f"w={w}=")]
-        groups[names[0].split(", ")[0]] = names  # "w=d=4": the window's name and size
+    each window overtakes the plain decoder; a warning instead where the repeats of a sampler
+    that a line rests on disagree."""
+    names = list(samplers)
+    groups = {"greedy": names[:2]}
+    for name in names[2:]:
+        label = name.split(", ")[0]  # "w=d=4": the window's name and size
+        groups.setdefault(label, []).append(name)
+    mine = {name: t for (name, b), t in timings.items() if b == B}
     lines = []
-    for label, names in groups.items():
-        tpc = {name: timings[name, B][0] for name in [PLAIN, *names]}
-        speed = {name: timings[name, B][1] for name in tpc}
-        worst = max(timings[name, B][2] for name in tpc)
-        first = next((name for name in names if speed[name] > speed[PLAIN]), None)
-        if worst > MAX_SPREAD:
-            text = f"the repeats disagree (slowest/fastest {worst:.2f} > {MAX_SPREAD}): nothing "
-            text += "to conclude; rerun on an idle machine or with more --repeats"
-        elif label == "greedy":
-            text = f"the KV cache runs at {speed[cached] / speed[free]:.2f}x the cache-free speed"
-        elif first is None:
-            text = "the plain decoder is faster at every threshold"
-        else:
-            text = f"the set sampler overtakes the plain decoder at {first.split(', ')[1]}, "
-            text += f"{tpc[first]:.2f} tokens/call ({speed[first] / speed[PLAIN]:.2f}x)"
+    for label, group in groups.items():
+        text = verdict(label, group, mine)
         lines.append(f"batch {B}, {label}: {text}")
     return lines
 
 
-def bench(args, command: str) -> None:
-    device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
-    print(f"# experiments/bench.py\ncommand: {command}\ntorch {torch.__version__}\n{how}")
-    setdiff.require(min(args.batch_sizes + [args.repeats]) >= 1, "--repeats, --batch-sizes >= 1")
-    model = setdiff.load_checkpoint(args.ckpt, device)[0].eval()
-    sampling = dict(temperature=args.temperature, top_p=args.top_p)  # of the plain and tau rows
-    setdiff.sampler_window(model.cfg, None, 1.0, **sampling)  # checked before the plain decoder
-    samplers = variants(model.cfg, sampling)
-    sizes = args.batch_sizes
-    print(f"{len(samplers) + 1} samplers x batch sizes {sizes}: a warm-up + {args.repeats} rounds")
-    with setdiff.autocast(device, dtype):
-        timings = timed_rounds(model, samplers, sizes, args.repeats, sampling)
-    exact = cache_is_exact(model, sizes[-1], samplers[next(iter(samplers))]["window"])
-    note = f"temperature {args.temperature:g}, top-p {args.top_p:g}"
-    print(f"{model.cfg.seq_len - 1} new tokens a row; plain and tau rows: {note}")
-    print(f"\n## Sampler speed (median of {args.repeats} interleaved runs after a warm-up)\n")
+def print_table(samplers, sizes, timings):
     cells = [f"batch {B} tokens/call | batch {B} tokens/s" for B in sizes]
     print(f"| sampler | {' | '.join(cells)} | tokens/s {sizes[-1]} over {sizes[0]} |")
-    print("|---" * (2 * len(sizes) + 2) + "|")
+    columns = 2 * len(sizes) + 2
+    print("|---" * columns + "|")
     for name in [PLAIN, *samplers]:
         row = [timings[name, B] for B in sizes]
         cells = [f"{tpc:.2f} | {speed:,.0f}" for tpc, speed, _ in row]
-        print(f"| {name} | {' | '.join(cells)} | {row[-1][1] / row[0][1]:.2f}x |")
+        ratio = row[-1][1] / row[0][1]
+        print(f"| {name} | {' | '.join(cells)} | {ratio:.2f}x |")
+
+
+def bench(args, command):
+    device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
+    print(f"# experiments/bench.py\ncommand: {command}\ntorch {torch.__version__}\n{how}")
+    sizes = args.batch_sizes
+    repeats = args.repeats
+    smallest = min(sizes + [repeats])
+    setdiff.require(smallest >= 1, "--repeats, --batch-sizes >= 1")
+    model, _, _ = setdiff.load_checkpoint(args.ckpt, device)
+    model.eval()
+    cfg = model.cfg
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)  # of the plain and tau rows
+    setdiff.sampler_window(cfg, None, 1.0, **sampling)  # checked before the plain decoder
+    samplers = variants(cfg, sampling)
+    print(f"{len(samplers) + 1} samplers x batch sizes {sizes}: a warm-up + {args.repeats} rounds")
+    with setdiff.autocast(device, dtype):
+        timings = timed_rounds(model, samplers, sizes, repeats, sampling)
+    greedy = next(iter(samplers.values()))
+    exact = cache_is_exact(model, sizes[-1], greedy["window"])
+    note = f"temperature {args.temperature:g}, top-p {args.top_p:g}"
+    print(f"{cfg.seq_len - 1} new tokens a row; plain and tau rows: {note}")
+    print(f"\n## Sampler speed (median of {args.repeats} interleaved runs after a warm-up)\n")
+    print_table(samplers, sizes, timings)
     print(f"\ncached = cache-free (greedy, float64, batch {sizes[-1]}): {'yes' if exact else 'NO'}")
     for B in sizes:
-        print("\n".join(conclusions(B, samplers, timings)))
+        lines = conclusions(B, samplers, timings)
+        print("\n".join(lines))
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    argv = [str(a) for a in argv]  # paths too
+    summary = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(description=summary)
     add = p.add_argument
     add("--ckpt", required=True, help="train_small.py's checkpoint, or a released model's folder")
-    add("--repeats", type=int, default=3, metavar="N", help="timed rounds after the warm-up (3)")
+    add("--repeats", type=int, default=3, help="timed rounds after the warm-up (3)")
     add("--batch-sizes", type=int, nargs="+", default=[1, 16], metavar="B", help="(1 16)")
     add("--temperature", type=float, default=1.0, help="of the plain and tau rows (1)")
     add("--top-p", type=float, default=1.0, help="of the plain and tau rows (1: off)")
@@ -176,8 +242,9 @@ def main(argv=None) -> int:
     add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast (auto)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
     args = p.parse_args(argv)
+    command = shlex.join(["python", "experiments/bench.py", *argv])
     try:
-        bench(args, shlex.join(["python", "experiments/bench.py", *argv]))
+        bench(args, command)
     except (ValueError, OSError) as e:  # setdiff raises ValueError for bad input
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -18,112 +18,159 @@ import numpy as np
 import torch
 
 # `python experiments/compare.py` puts experiments/ on the path, not the repository root
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
 
 THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 
 
-def policy(cfg: setdiff.Config) -> str:
-    """A model's name in the tables."""
-    if cfg.order == "staggered":
-        return f"staggered d={cfg.set_size}, s={cfg.max_set_size}"
-    if cfg.order == "block":
-        return f"block d={cfg.set_size}"
-    return cfg.order
-
-
-def text_stats(judge, rows: torch.Tensor) -> dict:
+def text_stats(judge, rows):
     """Of rows (n, L), position 0 left out: NLL under the AR judge (nats/token; for the identity
     order the bound is exact), unigram entropy (bits), share of distinct 4-grams inside rows."""
-    counts = torch.bincount(rows[:, 1:].flatten()).double()
-    p = counts[counts > 0] / counts.sum()
-    grams = rows[:, 1:].unfold(1, 4, 1).reshape(-1, 4)  # (n (L - 4), 4)
+    text = rows[:, 1:]
+    counts = torch.bincount(text.flatten()).double()
+    counts = counts[counts > 0]
+    p = counts / counts.sum()
+    entropy = -(p * p.log2()).sum()
+    grams = text.unfold(1, 4, 1).reshape(-1, 4)  # (n (L - 4), 4)
+    distinct = len(torch.unique(grams, dim=0))
+    judged = setdiff.elbo(judge, rows)
     return dict(
-        judge_nll=setdiff.elbo(judge, rows).nll_per_token,
-        unigram_entropy=float(-(p * p.log2()).sum()),
-        distinct_4grams=len(torch.unique(grams, dim=0)) / max(len(grams), 1),
+        judge_nll=judged.nll_per_token,
+        unigram_entropy=float(entropy),
+        distinct_4grams=distinct / max(len(grams), 1),
     )
 
 
-def scores(model, judge, rows, bytes_per_token: float, args) -> tuple:
-    """A model's bound on the first --eval-rows rows, then its samples at every window (d and
-    the largest) and threshold, judged."""
-    cfg = model.cfg
-    x = torch.from_numpy(np.asarray(rows[: args.eval_rows or len(rows)], dtype=np.int64))
+def bound(model, x, bytes_per_token, args):
+    """The bound on rows x with --num-orders orders a row (drawn from --seed); bits per byte
+    count the source text a whole row scores."""
     g = torch.Generator().manual_seed(args.seed)
-    res = setdiff.elbo(model, x, args.num_orders, 32, g, progress=True)
-    # bits per byte count the source text: with BOS L - 2 tokens a row (BOS and the row's
-    # closing EOS are no text), without BOS L - 1 (position 0 is given)
-    text = cfg.seq_len - 2 if cfg.bos_id is not None else cfg.seq_len - 1
-    num_bytes = round(len(x) * text * bytes_per_token)
-    bound = res.metrics(num_bytes)
-    samples = []
-    sampling = dict(temperature=args.temperature, top_p=args.top_p)
-    w_max = setdiff.max_window(cfg)
-    for window in sorted({min(cfg.set_size, w_max) if cfg.order != "uniform" else w_max, w_max}):
-        for tau in THRESHOLDS if window > 1 else THRESHOLDS[:1]:  # w = 1: one token a call
+    K = args.num_orders
+    res = setdiff.elbo(model, x, K, 32, g, progress=True)
+    text = len(x) * setdiff.text_per_row(model.cfg)  # tokens
+    num_bytes = round(text * bytes_per_token)
+    return res.metrics(num_bytes)
+
+
+def samples(model, judge, args):
+    """--samples rows at every window (d and the largest) and threshold, judged; w = 1 has
+    one threshold (one token a call)."""
+    cfg = model.cfg
+    name = setdiff.policy_name(cfg)
+    windows = {setdiff.default_window(cfg), setdiff.max_window(cfg)}
+    out = []
+    for window in sorted(windows):
+        thresholds = THRESHOLDS if window > 1 else THRESHOLDS[:1]
+        for tau in thresholds:
             g = torch.Generator().manual_seed(args.seed)
-            opts = dict(window=window, threshold=tau, generator=g, **sampling)
-            out = setdiff.generate(model, batch_size=args.samples, **opts)
-            row = dict(model=policy(cfg), window=window, threshold=None if tau > 1 else tau)
-            row |= dict(tokens_per_call=out.tokens_per_step, seconds=out.seconds)
-            samples.append(row | text_stats(judge, out.tokens.cpu()))
-    return bound, samples
+            gen = setdiff.generate(
+                model,
+                batch_size=args.samples,
+                window=window,
+                threshold=tau,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                generator=g,
+            )
+            threshold = None if tau > 1 else tau
+            row = dict(model=name, window=window, threshold=threshold)
+            row["tokens_per_call"] = gen.tokens_per_call
+            row["seconds"] = gen.seconds
+            stats = text_stats(judge, gen.tokens.cpu())
+            out.append(row | stats)
+    return out
 
 
-def compare(args, command: str, device) -> dict:
-    judge, tok, jckpt = setdiff.load_checkpoint(args.judge, device)
-    require(judge.cfg.order == "ar", f"--judge {args.judge} must be an --order ar checkpoint")
-    val = jckpt.get("val_rows") or {}
-    ok = os.path.isfile(str(val.get("path")))
+def validation_rows(args, device):
+    """The judge and its validation rows (a memmap), after checking that every checkpoint
+    was trained on them with the judge's tokenizer: every check before the work."""
+    judge, tok, ckpt = setdiff.load_checkpoint(args.judge, device)
+    is_ar = judge.cfg.order == "ar"
+    require(is_ar, f"--judge {args.judge} must be an --order ar checkpoint")
+    val = ckpt.get("val_rows") or {}
+    val_path = str(val.get("path"))
+    ok = os.path.isfile(val_path)
     require(ok, f"--judge {args.judge} records no validation rows (a train_small.py checkpoint)")
-    for path in args.ckpt:  # every check before the work
-        _, mtok, ckpt = setdiff.load_checkpoint(path, "cpu")
-        mine = str((ckpt.get("val_rows") or {}).get("path"))  # the same rows, in any cache
-        same = os.path.isfile(mine) and filecmp.cmp(mine, val["path"], shallow=False)
-        same = same and mtok.spec() == tok.spec()
+    for path in args.ckpt:
+        _, mine, ckpt = setdiff.load_checkpoint(path, "cpu")
+        rows = ckpt.get("val_rows") or {}
+        rows = str(rows.get("path"))  # the same rows, in any cache
+        same = os.path.isfile(rows) and filecmp.cmp(rows, val_path, shallow=False)
+        same = same and mine.spec() == tok.spec()
         require(same, f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
     shape = (val["rows"], judge.cfg.seq_len)
-    rows = np.memmap(val["path"], dtype=np.uint16, mode="r", shape=shape)
+    rows = np.memmap(val_path, dtype=np.uint16, mode="r", shape=shape)
+    judge.eval()
+    return judge, rows, val["bytes_per_token"]
+
+
+def compare(args, command, device):
+    judge, rows, bytes_per_token = validation_rows(args, device)
     # what text looks like, as the samples' reference
-    real = torch.from_numpy(np.asarray(rows[: args.samples], dtype=np.int64))
-    res = dict(command=command, validation=text_stats(judge.eval(), real), bounds=[], samples=[])
-    print(f"command: {command}\nvalidation rows: {json.dumps(res['validation'])}")
+    real = rows[: args.samples].astype(np.int64)
+    real = torch.from_numpy(real)
+    validation = text_stats(judge, real)
+    res = dict(command=command, validation=validation)
+    res["bounds"] = []
+    res["samples"] = []
+    print(f"command: {command}\nvalidation rows: {json.dumps(validation)}")
+    n = args.eval_rows or len(rows)
+    x = rows[:n].astype(np.int64)
+    x = torch.from_numpy(x)
     for path in args.ckpt:
         model, _, ckpt = setdiff.load_checkpoint(path, device)
-        print(f"model: {path}, {policy(model.cfg)}", flush=True)
-        bound, samples = scores(model.eval(), judge, rows, val["bytes_per_token"], args)
-        res["bounds"].append(
-            dict(model=policy(model.cfg), ckpt=str(path), step=ckpt.get("step")) | bound
-        )
-        res["samples"] += samples
+        model.eval()
+        name = setdiff.policy_name(model.cfg)
+        print(f"model: {path}, {name}", flush=True)
+        step = ckpt.get("step")
+        row = dict(model=name, ckpt=str(path), step=step)
+        row |= bound(model, x, bytes_per_token, args)
+        res["bounds"].append(row)
+        res["samples"] += samples(model, judge, args)
     return res
 
 
-def print_tables(res: dict, args) -> None:
+def print_tables(res, args):
     first = res["bounds"][0]
     print(f"\n## Validation bound ({first['num_seqs']:,} rows, K={first['num_orders']} orders)\n")
     print("| model | val ppl bound | nats/token +- se | bits/byte | tokens scored |")
     print("|---" * 5 + "|")
     for b in res["bounds"]:
-        cells = [b["model"], f"{b['ppl']:.3f}", f"{b['nll_per_token']:.4f} +- {b['se']:.4f}"]
-        print("| " + " | ".join(cells) + f" | {b['bits_per_byte']:.3f} | {b['tokens_scored']:,} |")
+        nll = f"{b['nll_per_token']:.4f} +- {b['se']:.4f}"
+        cells = [b["model"], f"{b['ppl']:.3f}", nll]
+        cells += [f"{b['bits_per_byte']:.3f}", f"{b['tokens_scored']:,}"]
+        line = " | ".join(cells)
+        print(f"| {line} |")
     sampling = f"temperature {args.temperature:g}, top-p {args.top_p:g}"
     print(f"\n## {args.samples} unconditional samples ({sampling})\n")
-    header = "| model | window | threshold | tokens/call | judged NLL (nats/token) | unigram "
-    print(header + "entropy (bits) | distinct 4-grams | seconds |\n" + "|---" * 8 + "|")
+    head = "| model | window | threshold | tokens/call | judged NLL (nats/token) | unigram "
+    print(head + "entropy (bits) | distinct 4-grams | seconds |")
+    print("|---" * 8 + "|")
     for r in res["samples"]:
-        cells = [r["model"], r["window"], r["threshold"] or ">1", f"{r['tokens_per_call']:.2f}"]
+        threshold = r["threshold"] or ">1"
+        cells = [r["model"], r["window"], threshold, f"{r['tokens_per_call']:.2f}"]
         cells += [f"{r['judge_nll']:.3f}", f"{r['unigram_entropy']:.2f}"]
         cells += [f"{r['distinct_4grams']:.3f}", f"{r['seconds']:.1f}"]
-        print("| " + " | ".join(map(str, cells)) + " |")
+        line = " | ".join(map(str, cells))
+        print(f"| {line} |")
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def write_json(path, data):
+    """A temporary file, then rename: a failed write keeps the old file."""
+    text = json.dumps(data, indent=1) + "\n"
+    Path(path + ".tmp").write_text(text)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    argv = [str(a) for a in argv]  # paths too
+    summary = __doc__.split("\n\n")[0]
+    p = argparse.ArgumentParser(description=summary)
     add = p.add_argument
     add("ckpt", nargs="+", metavar="CKPT", help="checkpoints of train_small.py to compare")
     add("--judge", required=True, metavar="CKPT", help="an ar checkpoint of the same data")
@@ -138,18 +185,19 @@ def main(argv=None) -> int:
     add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast (auto)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
     args = p.parse_args(argv)
+    command = shlex.join(["python", "experiments/compare.py", *argv])
     try:
         folder = Path(args.json or "x").resolve().parent  # checked before the work
         require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
-        require(min(args.samples, args.num_orders) >= 1, "--samples, --num-orders: >= 1")
+        smallest = min(args.samples, args.num_orders)
+        require(smallest >= 1, "--samples, --num-orders: >= 1")
         device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
         print(how)
         with setdiff.autocast(device, dtype):
-            res = compare(args, shlex.join(["python", "experiments/compare.py", *argv]), device)
+            res = compare(args, command, device)
         print_tables(res, args)
-        if args.json:  # a temporary file, then rename: a failed write keeps the old file
-            Path(args.json + ".tmp").write_text(json.dumps(res, indent=1) + "\n")
-            os.replace(args.json + ".tmp", args.json)
+        if args.json:
+            write_json(args.json, res)
     except (ValueError, OSError) as e:  # setdiff raises ValueError for bad input
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 # `python experiments/frontier.py` puts experiments/ on the path, not the repository root
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import plain_decoder  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import plain_decoder  # noqa: E402  (experiments/bench.py: the plain causal decoder)
 
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
@@ -31,7 +32,7 @@ STEPS = 8  # operations a problem
 THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 
 
-def problem(rng: random.Random) -> tuple:
+def problem(rng):
     """-> (question, answer), e.g. "Q:6+1-1+1+1-1-1+1+1 A:", "7 6 7 8 7 6 7 8 #8": a walk mod 10,
     each running value written out before the next (6+1=7, 7-1=6, ...), then the final one.
     NOTE: steps of +-1 only, because a 1,500-step model learns them: with steps of any digit a
@@ -42,13 +43,15 @@ def problem(rng: random.Random) -> tuple:
     values = []
     for _ in range(STEPS):
         op = rng.choice("+-")
-        x = (x + 1) % 10 if op == "+" else (x - 1) % 10
+        step = 1 if op == "+" else -1
+        x = (x + step) % 10
         question += f"{op}1"
         values.append(str(x))
-    return question + " A:", " ".join(values) + f" #{x}"
+    answer = " ".join(values) + f" #{x}"
+    return question + " A:", answer
 
 
-def write_task(folder, train: int = 200_000, test: int = 1000, seed: int = 0) -> None:
+def write_task(folder, train=200_000, test=1000, seed=0):
     """train.txt and test.txt, one problem a line, each from its own seeded stream."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     for name, n, stream in (("train.txt", train, seed), ("test.txt", test, seed + 1)):
@@ -57,33 +60,40 @@ def write_task(folder, train: int = 200_000, test: int = 1000, seed: int = 0) ->
         Path(folder, name).write_text("".join(lines))
 
 
-def final_answer(text: str) -> str:
+def final_answer(text):
     """What follows the last "#" of a decoded answer: the exact-match metric compares these."""
-    return text.rsplit("#", 1)[-1].strip() if "#" in text else ""
+    if "#" not in text:
+        return ""
+    return text.rsplit("#", 1)[-1].strip()
 
 
-def read_test(path) -> list:
+def read_test(path):
     """[(question, answer)] of a test file written by write_task."""
     pairs = []
     for line in Path(path).read_text().splitlines():
         question, sep, answer = line.partition(" A:")
-        require(sep and question.startswith("Q:"), f"--test {path}: {line!r} is not a problem")
+        ok = sep and question.startswith("Q:")
+        require(ok, f"--test {path}: {line!r} is not a problem")
         pairs.append((question + sep, answer))
     return pairs
 
 
-def decode_answers(model, tok, pairs, sampler) -> dict:
-    """Accuracy (%), tokens per call and tokens/s of one sampler on every test problem, in one
-    batch; `sampler` is generate()'s options, or "plain" (the causal decoder: its speed). The
-    prompt is BOS, one solved problem (the previous test problem), EOS and the question: a
+def prompts(tok, pairs):
+    """(n, P) ids: BOS, one solved problem (the previous test problem), EOS and the question: a
     training row holds problems separated by EOS, and one problem rarely starts right at BOS."""
-    A = len(pairs[0][1])
     shots = pairs[-1:] + pairs[:-1]  # the solved example of each question
-    prompt = [
-        [tok.bos_id] + tok.encode("".join(shot)) + [tok.eos_id] + tok.encode(q)
-        for shot, (q, _) in zip(shots, pairs)
-    ]
-    prompt = torch.tensor(prompt)  # the fixed format gives every prompt one length
+    rows = []
+    for shot, (question, _) in zip(shots, pairs):
+        solved = tok.encode("".join(shot))
+        rows.append([tok.bos_id, *solved, tok.eos_id, *tok.encode(question)])
+    return torch.tensor(rows)  # the fixed format gives every prompt one length
+
+
+def decode_answers(model, tok, pairs, sampler):
+    """Accuracy (%), tokens per call and tokens/s of one sampler on every test problem, in one
+    batch; `sampler` is generate()'s options, or "plain" (the causal decoder: its speed)."""
+    A = len(pairs[0][1])
+    prompt = prompts(tok, pairs)
     P = prompt.shape[1]
     require(P + A <= model.cfg.seq_len, f"test problems of {P + A} tokens do not fit L")
     if sampler == "plain":
@@ -92,40 +102,61 @@ def decode_answers(model, tok, pairs, sampler) -> dict:
         out = setdiff.generate(model, prompt=prompt, max_new_tokens=A, temperature=0, **sampler)
     texts = [tok.decode(row[P:]) for row in out.tokens.cpu()]
     hits = [final_answer(t) == final_answer(a) for t, (_, a) in zip(texts, pairs)]
+    accuracy = 100 * sum(hits) / len(hits)
+    if sampler == "plain":
+        accuracy = None  # timing only
     speed = len(pairs) * A / out.seconds
-    return dict(
-        accuracy=None if sampler == "plain" else 100 * sum(hits) / len(hits),  # timing only
-        tokens_per_call=out.tokens_per_step,
-        tokens_per_s=speed,
-    )
+    return dict(accuracy=accuracy, tokens_per_call=out.tokens_per_call, tokens_per_s=speed)
 
 
-def frontier(paths, pairs, device) -> list:
+def frontier(paths, pairs, device):
     rows = []
     for path in paths:
         model, tok, _ = setdiff.load_checkpoint(path, device)
-        cfg = model.eval().cfg
-        name = cfg.order if cfg.order in ("ar", "uniform") else f"{cfg.order} d={cfg.set_size}"
+        model.eval()
+        cfg = model.cfg
+        name = setdiff.policy_name(cfg)
         print(f"model: {path}, {name}", flush=True)
-        w_max = setdiff.max_window(cfg)
-        windows = sorted({min(cfg.set_size, w_max) if cfg.order != "uniform" else w_max, w_max})
         if cfg.order == "ar":
-            rows.append(
-                dict(model="plain causal decoder", window=1, threshold=None)
-                | decode_answers(model, tok, pairs, "plain")
-            )
-        for window in windows:
-            for tau in THRESHOLDS if window > 1 else THRESHOLDS[:1]:
-                stats = decode_answers(model, tok, pairs, dict(window=window, threshold=tau))
-                rows.append(
-                    dict(model=name, window=window, threshold=None if tau > 1 else tau) | stats
-                )
+            row = dict(model="plain causal decoder", window=1, threshold=None)
+            row |= decode_answers(model, tok, pairs, "plain")
+            rows.append(row)
+        windows = {setdiff.default_window(cfg), setdiff.max_window(cfg)}
+        for window in sorted(windows):
+            thresholds = THRESHOLDS if window > 1 else THRESHOLDS[:1]
+            for tau in thresholds:
+                threshold = None if tau > 1 else tau
+                row = dict(model=name, window=window, threshold=threshold)
+                sampler = dict(window=window, threshold=tau)
+                row |= decode_answers(model, tok, pairs, sampler)
+                rows.append(row)
     return rows
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def print_table(rows, args):
+    print(f"\n## Exact-match accuracy against speed ({args.problems} test problems, greedy)\n")
+    print("| model | window | threshold | accuracy (%) | tokens/call | tokens/s |")
+    print("|---" * 6 + "|")
+    for r in rows:
+        accuracy = r["accuracy"]
+        accuracy = "(timing only)" if accuracy is None else f"{accuracy:.1f}"
+        threshold = r["threshold"] or ">1"
+        speed = f"{r['tokens_per_call']:.2f} | {r['tokens_per_s']:,.0f}"
+        cells = [r["model"], r["window"], threshold, accuracy, speed]
+        line = " | ".join(map(str, cells))
+        print(f"| {line} |")
+
+
+def write_json(path, data):
+    """A temporary file, then rename: a failed write keeps the old file."""
+    text = json.dumps(data, indent=1) + "\n"
+    Path(path + ".tmp").write_text(text)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    summary = __doc__.split("\n\n")[0]
+    p = argparse.ArgumentParser(description=summary)
     add = p.add_argument
     add("ckpt", nargs="*", metavar="CKPT", help="checkpoints trained on the task's train.txt")
     add("--write", metavar="DIR", help="write the task: DIR/train.txt and DIR/test.txt")
@@ -134,43 +165,28 @@ def main(argv=None) -> int:
     add("--json", metavar="PATH", help="also write the results here (for experiments/plot.py)")
     add("--device", help="cpu, cuda, cuda:N or mps (default: the first available)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    argv = None if argv is None else [str(a) for a in argv]  # paths too
     args = p.parse_args(argv)
     try:
         if args.write:
             write_task(args.write)
             print(f"wrote {args.write}/train.txt and {args.write}/test.txt")
             return 0
-        require(args.ckpt and args.test, "give checkpoints and --test FILE (or --write DIR)")
+        given = args.ckpt and args.test
+        require(given, "give checkpoints and --test FILE (or --write DIR)")
         folder = Path(args.json or "x").resolve().parent  # checked before the work
         require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
         device, _, how = setdiff.runtime(args.device, "float32", args.threads)
         print(how)
-        rows = frontier(args.ckpt, read_test(args.test)[: args.problems], device)
+        pairs = read_test(args.test)[: args.problems]
+        rows = frontier(args.ckpt, pairs, device)
         print_table(rows, args)
-        if args.json:  # a temporary file, then rename: a failed write keeps the old file
-            Path(args.json + ".tmp").write_text(json.dumps(dict(frontier=rows), indent=1) + "\n")
-            os.replace(args.json + ".tmp", args.json)
-    except (ValueError, OSError) as e:
+        if args.json:
+            write_json(args.json, dict(frontier=rows))
+    except (ValueError, OSError) as e:  # setdiff raises ValueError for bad input
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
-
-
-def print_table(rows: list, args) -> None:
-    print(f"\n## Exact-match accuracy against speed ({args.problems} test problems, greedy)\n")
-    print(
-        "| model | window | threshold | accuracy (%) | tokens/call | tokens/s |\n"
-        + "|---" * 6
-        + "|"
-    )
-    for r in rows:
-        accuracy = "(timing only)" if r["accuracy"] is None else f"{r['accuracy']:.1f}"
-        cells = [r["model"], r["window"], r["threshold"] or ">1", accuracy]
-        print(
-            "| "
-            + " | ".join(map(str, cells))
-            + f" | {r['tokens_per_call']:.2f} | {r['tokens_per_s']:,.0f} |"
-        )
 
 
 if __name__ == "__main__":
