@@ -1,12 +1,16 @@
-"""Tests of setdiff.py in the file's order, then of train_small.py, sample.py and experiments/,
-each against an independent computation: a brute-force loop, a closed form, a worked example, rows
-built by hand, an uninterrupted run, the slow reference path, or a forward written here from the
-authors' description. CPU, tiny models, float32 unless exactness needs float64, no downloads."""
+"""Tests of setdiff.py in the file's order, then of train_small.py, sample.py and experiments/.
+Each test checks one behaviour against an independent computation: a brute-force loop, a closed
+form, a worked example, rows built by hand, the cache-free path, or a forward written here from
+the authors' description. CPU, tiny models, float32 unless exactness needs float64, no downloads.
+Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametrize."""
 
+import contextlib
 import functools
 import hashlib
+import importlib
 import importlib.util
 import inspect
+import io
 import json
 import math
 import os
@@ -31,8 +35,7 @@ import train_small
 from setdiff import Config, SetDiffusionLM, Tokenizer, elbo, generate, load_checkpoint, sample_order
 
 BYTES = Tokenizer.bytes()
-# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads'
-# contention made the tests 2-10x slower (measured): one thread keeps them at a few seconds.
+# Tiny models gain nothing from intra-op threads, and the threads' contention slows them down.
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent
 
@@ -41,6 +44,11 @@ ROOT = Path(__file__).resolve().parent
 def one_thread():
     yield
     torch.set_num_threads(1)  # a training run may pick another count (--threads)
+
+
+def table(names: str, cases: dict):
+    """pytest.mark.parametrize over {test id: case}."""
+    return pytest.mark.parametrize(names, list(cases.values()), ids=list(cases))
 
 
 def gen(seed):
@@ -78,519 +86,1188 @@ def holes_in(cfg, spans, seed=0):
 
 def nll_of(model, x, order, scored):
     """Sum over scored positions of -log p(x_i | x before i in order), per row (float64)."""
-    logp = torch.log_softmax(model(x, order).double(), -1)
-    B, T = x.shape
-    return [sum(-logp[b, i, x[b, i]].item() for i in range(T) if scored[b][i]) for b in range(B)]
+    logits = setdiff.position_logits(model, x, order)
+    logp = torch.log_softmax(logits.double(), -1)
+    nll = -logp.gather(-1, x[..., None])[..., 0]  # (B, L)
+    scored = torch.as_tensor(scored)
+    return torch.where(scored, nll, 0.0).sum(1).tolist()
 
 
-# ---------------------------------------------------------------------------- config, order policies, schedule
-def test_config_round_trips_rejects_bad_settings_and_checks_only_what_the_policy_uses():
+def one_query_logits(model, x, revealed, target):
+    """Logits (V,) for x[0, target] from a forward of just the revealed tokens (causal among
+    themselves, in the order given) and ONE mask query that sees all of them and itself."""
+    n = len(revealed)
+    attn = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()[None]
+    mask = torch.tensor([model.cfg.mask_id])
+    tokens = torch.cat([x[0, revealed], mask])[None]
+    positions = torch.tensor([revealed + [target]])
+    return model(tokens, positions, attn, queries=1)[0, -1]
+
+
+# ---- config, order policies, schedule -------------------------------------------------------
+def test_config_round_trips_through_json():
     cfg = tiny_cfg()
-    assert Config(**json.loads(json.dumps(setdiff.asdict(cfg)))) == cfg  # as a checkpoint stores it
-    cases = [
-        (dict(order="random"), "unknown order policy"),
-        (dict(set_size=25), "set size d"),
-        (dict(set_size=3, max_set_size=2), "window s"),
-        (dict(seq_len=1, set_size=1), "at least 2"),
-        (dict(d_model=30, n_head=4), "multiple of n_head"),
-        (dict(d_model=6, n_head=2), "even"),
-        (dict(mask_id=258), "MASK must differ"),
-        (dict(pad_id=257), "PAD must differ"),
-        (dict(bos_id=300), "not in the vocab"),
-    ]
-    for kw, match in cases:
-        with pytest.raises(ValueError, match=match):
-            tiny_cfg(**kw)
-    assert Config(order="ar", seq_len=3).max_set_size is None  # d = 4 > L is unused by AR
-    assert Config(order="uniform", seq_len=3, set_size=99).order == "uniform"
-    lm1b = Config(vocab_size=30522, mask_id=103, bos_id=101, eos_id=101, pad_id=0)  # [CLS] twice
+    stored = json.loads(json.dumps(setdiff.asdict(cfg)))  # as a checkpoint stores it
+    assert Config(**stored) == cfg
+
+
+@table(
+    "kw,match",
+    {
+        "unknown-order": (dict(order="random"), "unknown order policy"),
+        "d-over-L": (dict(set_size=25), "set size d"),
+        "s-under-d": (dict(set_size=3, max_set_size=2), "largest set size s"),
+        "L-1": (dict(seq_len=1, set_size=1), "at least 2"),
+        "D-not-split-by-heads": (dict(d_model=30, n_head=4), "multiple of n_head"),
+        "odd-head-size": (dict(d_model=6, n_head=2), "even"),
+        "mask-is-eos": (dict(mask_id=258), "MASK must differ"),
+        "pad-is-bos": (dict(pad_id=257), "PAD must differ"),
+        "bos-outside-vocab": (dict(bos_id=300), "not in the vocab"),
+    },
+)
+def test_config_rejects_a_bad_setting(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_cfg(**kw)
+
+
+def test_config_checks_only_what_the_policy_uses():
+    ar = Config(order="ar", seq_len=3)  # d = 4 > L is unused by AR
+    uniform = Config(order="uniform", seq_len=3, set_size=99)
+    assert ar.max_set_size is None
+    assert uniform.order == "uniform"
+
+
+def test_config_takes_the_released_special_ids():
+    lm1b = Config(vocab_size=30522, mask_id=103, bos_id=101, eos_id=101, pad_id=0)
     owt = Config(vocab_size=50258, mask_id=50257, bos_id=None, eos_id=50256, pad_id=None)
-    assert lm1b.eos_id == lm1b.bos_id and owt.pad_id is None and owt.max_set_size == 8
+    assert lm1b.eos_id == lm1b.bos_id  # [CLS] twice
+    assert owt.pad_id is None
+    assert owt.max_set_size == 8
 
 
-def test_schedule_constants_special_cases_max_window_and_the_orders_of_each_policy():
-    cases = [
-        (128, 4, 0.059259, 0.358090),  # the paper's L = 128 values
-        (128, 8, 0.111888, 0.387534),
-        (128, 16, 0.201258, 0.450425),
-        (1024, 4, 0.007759, 0.336378),  # the authors' StaggeredNoise(L, d, 2d) of the OWT models
-        (1024, 16, 0.030332, 0.346925),
-    ]
-    for L, d, b, k in cases:  # the closed forms
-        s = setdiff.StaggeredSchedule(L, d)
-        assert round(s.b, 6) == b and round(s.k, 6) == k, (L, d)
-        assert math.isclose(s.b, 2 * d / (L + 2 * d - 1))
-        assert math.isclose(s.b * s.k / (s.k + 1), d / (2 * L))
-        assert math.isclose(s.reach, 2 * d) and s.window == 2 * d  # r = s exactly
-        assert math.isclose(s.loc[0].item(), 1 - s.b) and s.loc[-1].item() == 0.0
-    s = setdiff.StaggeredSchedule(128, 4, 4)  # d == s: k = 1, b = d / L
-    assert s.k == 1 and math.isclose(s.b, 4 / 128) and math.isclose(s.reach, 4 * 127 / 124)
-    assert s.window == 5
-    u = setdiff.StaggeredSchedule(10, 10, 10)  # uniform: b = 1, every loc 0
-    assert u.b == 1 and torch.all(u.loc == 0) and u.window == 10
-    for args in [(8, 9), (8, 4, 3), (8, 0)]:
-        with pytest.raises(ValueError):
-            setdiff.StaggeredSchedule(*args)
-    cases = [
-        (dict(order="ar"), 1),
-        (dict(order="uniform"), 24),
-        (dict(order="block", set_size=4), 4),
-        (dict(set_size=4), 8),
-        (dict(set_size=4, max_set_size=4), math.ceil(4 * 23 / 20)),
-    ]
-    for kw, window in cases:  # the largest window of each policy
-        assert setdiff.max_window(tiny_cfg(**kw)) == window
-    # d = 1 gives the identity and uniform gives uniform orders
+# the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
+PAPER_SCHEDULES = {
+    "L128-d4": (128, 4, 0.059259, 0.358090),
+    "L128-d8": (128, 8, 0.111888, 0.387534),
+    "L128-d16": (128, 16, 0.201258, 0.450425),
+    "L1024-d4": (1024, 4, 0.007759, 0.336378),
+    "L1024-d16": (1024, 16, 0.030332, 0.346925),
+}
+
+
+@table("L,d,b,k", PAPER_SCHEDULES)
+def test_schedule_b_and_k_are_the_papers_closed_forms(L, d, b, k):
+    s = setdiff.StaggeredSchedule(L, d)
+    assert round(s.b, 6) == b
+    assert round(s.k, 6) == k
+    assert math.isclose(s.b, 2 * d / (L + 2 * d - 1))
+    assert math.isclose(s.b * s.k / (s.k + 1), d / (2 * L))  # the masked area A
+
+
+@table("L,d,b,k", PAPER_SCHEDULES)
+def test_schedule_reach_is_s(L, d, b, k):
+    s = setdiff.StaggeredSchedule(L, d)
+    assert math.isclose(s.reach, 2 * d)  # r = s exactly
+    assert s.ceil_reach == 2 * d
+
+
+@table("L,d,b,k", PAPER_SCHEDULES)
+def test_schedule_offsets_run_from_1_minus_b_to_0(L, d, b, k):
+    s = setdiff.StaggeredSchedule(L, d)
+    assert math.isclose(s.loc[0].item(), 1 - s.b)  # position 0: the largest offset
+    assert s.loc[-1].item() == 0.0
+
+
+def test_schedule_with_d_equal_s_has_straight_curves_and_a_reach_just_over_d():
+    s = setdiff.StaggeredSchedule(128, 4, 4)
+    assert s.k == 1
+    assert math.isclose(s.b, 4 / 128)
+    assert math.isclose(s.reach, 4 * 127 / 124)
+    assert s.ceil_reach == 5
+
+
+def test_uniform_schedule_has_width_1_and_every_offset_0():
+    u = setdiff.StaggeredSchedule(10, 10, 10)
+    assert u.b == 1
+    assert torch.all(u.loc == 0)
+    assert u.ceil_reach == 10
+
+
+@table(
+    "args",
+    {
+        "d-over-L": (8, 9),  # L, d
+        "s-under-d": (8, 4, 3),  # L, d, s
+        "d-0": (8, 0),
+    },
+)
+def test_schedule_rejects_bad_sizes(args):
+    with pytest.raises(ValueError):
+        setdiff.StaggeredSchedule(*args)
+
+
+@table(
+    "kw,window",
+    {
+        "ar": (dict(order="ar"), 1),
+        "uniform": (dict(order="uniform"), 24),
+        "block": (dict(order="block", set_size=4), 4),
+        "staggered": (dict(set_size=4), 8),
+        "staggered-d-equals-s": (dict(set_size=4, max_set_size=4), math.ceil(4 * 23 / 20)),
+    },
+)
+def test_max_window_of_each_policy(kw, window):
+    assert setdiff.max_window(tiny_cfg(**kw)) == window
+
+
+def test_schedule_with_d_1_gives_the_identity_order():
     T = setdiff.StaggeredSchedule(32, 1).first_hitting_times(500, gen(3))
-    assert torch.equal(torch.argsort(-T, 1), torch.arange(32).expand(500, -1))
-    ar = sample_order(tiny_cfg(order="ar"), 3, gen(3))
-    assert torch.equal(ar, torch.arange(24).expand(3, -1))
-    N, cfg = 12000, tiny_cfg(seq_len=6, order="uniform", set_size=6)
+    order = torch.argsort(-T, 1)
+    assert torch.equal(order, torch.arange(32).expand(500, -1))
+
+
+def test_ar_policy_orders_left_to_right():
+    order = sample_order(tiny_cfg(order="ar"), 3, gen(3))
+    assert torch.equal(order, torch.arange(24).expand(3, -1))
+
+
+@table(
+    "kw",
+    {
+        "uniform": dict(order="uniform"),
+        "no-bos": dict(bos_id=None, pad_id=None),  # OWT rows: position 0 holds any token
+    },
+)
+def test_orders_pin_position_0_first(kw):
+    order = sample_order(tiny_cfg(**kw), 200, gen(4))
+    assert torch.all(order[:, 0] == 0)
+
+
+def test_uniform_orders_fill_each_slot_uniformly():
+    N = 12000
+    cfg = tiny_cfg(seq_len=6, order="uniform", set_size=6)
     order = sample_order(cfg, N, gen(4))
-    assert torch.all(order[:, 0] == 0)  # position 0 pinned first
-    counts = [torch.bincount(order[:, slot], minlength=6)[1:] for slot in range(1, 6)]
-    freq = torch.stack(counts) / N
-    assert torch.all((freq - 0.2).abs() < 5 * math.sqrt(0.2 * 0.8 / N))
-    # given positions come first in position order, and padding last
+    freq = F.one_hot(order[:, 1:], 6).double().mean(0)[:, 1:]  # (slot, position), both 1..5
+    sigma = math.sqrt(0.2 * 0.8 / N)
+    assert torch.all((freq - 0.2).abs() < 5 * sigma)
+
+
+def block_orders():
+    """Block orders of 12 positions, blocks of 4; positions 1, 7, 8 given, 10 and 11 padding."""
     cfg = tiny_cfg(seq_len=12, order="block", set_size=4)
     pad = (torch.arange(12) >= 10).expand(200, -1)
     given = torch.zeros(200, 12, dtype=torch.bool)
     given[:, [1, 7, 8]] = True  # any set of positions, not only a prefix
-    order = sample_order(cfg, 200, gen(5), given=given, pad=pad)
-    for row in order.tolist():
-        assert row[:4] == [0, 1, 7, 8] and row[-2:] == [10, 11]
-        free = row[4:10]
+    return sample_order(cfg, 200, gen(5), given=given, pad=pad).tolist()
+
+
+def test_orders_are_permutations():
+    for row in block_orders():
         assert sorted(row) == list(range(12))
-        assert [p // 4 for p in free] == sorted(p // 4 for p in free)
-    assert len({tuple(r[4:6]) for r in order.tolist()}) > 1  # random inside block 0
-    staggered = sample_order(tiny_cfg(), 1, gen(6), given=torch.arange(24)[None] >= 20)
-    assert staggered[0, :5].tolist() == [0, 20, 21, 22, 23]
 
 
-def test_first_hitting_times_follow_the_masking_curves_and_the_reach_bounds_them():
-    """P(T_i <= t) = 1 - (1 - u)^k, u = (t - loc_i) / b, the closed form; in replayed orders every
-    revealed token stays within ceil(r) of the leftmost unrevealed one (d = s: r a bit over d)."""
-    for L, d, s in [(16, 3, 6), (16, 4, 4), (12, 2, 7)]:
-        sched = setdiff.StaggeredSchedule(L, d, s)
-        t = torch.linspace(0, 1, 41, dtype=torch.float64)
-        u = ((t[:, None] - sched.loc[None, :]) / sched.b).clamp(0, 1)
-        m = 1 - (1 - u) ** sched.k  # (41, L)
-        assert torch.allclose(sched.mask_prob(t), m, atol=1e-12)  # the code's, in float64
-        N = 20000  # the empirical CDF of the first hitting times
-        emp = (sched.first_hitting_times(N, gen(1))[None] <= t[:, None, None]).double().mean(1)
-        assert torch.all((emp - m).abs() <= 5 * torch.sqrt(m * (1 - m) / N) + 2e-3), (L, d, s)
-    hard = setdiff.StaggeredSchedule(9, 1).mask_prob(torch.linspace(0, 1, 41))  # d = 1: a step
-    assert set(hard.unique().tolist()) == {0.0, 1.0} and torch.all(hard.diff(dim=0) >= 0)
-    for d, s in [(4, 8), (3, 5), (4, 4), (6, 6)]:
-        L, sched = 40, setdiff.StaggeredSchedule(40, d, s)
-        limit = math.ceil(sched.b * (L - 1) / (1 - sched.b) - 1e-9)
-        worst = 0
-        for order in torch.argsort(-sched.first_hitting_times(400, gen(2)), 1).tolist():
-            revealed, f = [False] * L, 0
-            for p in order:
-                revealed[p] = True
-                while f < L and revealed[f]:
-                    f += 1
-                if f < L:  # the farthest revealed token beyond the leftmost unrevealed one
-                    worst = max(worst, max(i for i in range(L) if revealed[i]) - f)
-        assert d - 1 <= worst < limit, (d, s)  # and the policy really does reach ahead
+def test_given_positions_come_first_in_position_order():
+    for row in block_orders():
+        assert row[:4] == [0, 1, 7, 8]
 
 
-# ---------------------------------------------------------------------------- set-causal masks, transformer
-def test_mask_is_the_worked_example_and_the_network_sees_positions_only_through_ids():
+def test_padding_comes_last():
+    for row in block_orders():
+        assert row[-2:] == [10, 11]
+
+
+def test_block_orders_visit_the_blocks_left_to_right():
+    for row in block_orders():
+        blocks = [p // 4 for p in row[4:10]]
+        assert blocks == sorted(blocks)
+
+
+def test_block_orders_are_random_inside_a_block():
+    firsts = {tuple(row[4:6]) for row in block_orders()}  # block 0's free positions
+    assert len(firsts) > 1
+
+
+def test_staggered_orders_put_a_given_suffix_first():
+    given = torch.arange(24)[None] >= 20
+    order = sample_order(tiny_cfg(), 1, gen(6), given=given)
+    assert order[0, :5].tolist() == [0, 20, 21, 22, 23]
+
+
+CURVES = {  # L, d, s
+    "d3-s6": (16, 3, 6),  # s = 2d, k < 1
+    "d-equals-s": (16, 4, 4),  # k = 1: straight curves
+    "d2-s7": (12, 2, 7),  # s > 2d
+}
+
+
+def masking_curves(sched, t):
+    """m_i(t) = 1 - (1 - u)^k, u = (t - loc_i) / b clamped to [0, 1]: (T, L) float64."""
+    u = (t[:, None] - sched.loc[None, :]) / sched.b
+    return 1 - (1 - u.clamp(0, 1)) ** sched.k
+
+
+@table("L,d,s", CURVES)
+def test_mask_prob_is_the_closed_form(L, d, s):
+    sched = setdiff.StaggeredSchedule(L, d, s)
+    t = torch.linspace(0, 1, 41, dtype=torch.float64)
+    want = masking_curves(sched, t)
+    assert torch.allclose(sched.mask_prob(t), want, atol=1e-12)
+
+
+@table("L,d,s", CURVES)
+def test_first_hitting_times_follow_the_masking_curves(L, d, s):
+    """P(T_i <= t) = m_i(t): the empirical CDF within 5 standard errors."""
+    sched = setdiff.StaggeredSchedule(L, d, s)
+    t = torch.linspace(0, 1, 41, dtype=torch.float64)
+    m = masking_curves(sched, t)  # (41, L)
+    N = 20000
+    T = sched.first_hitting_times(N, gen(1))  # (N, L)
+    empirical = (T[None] <= t[:, None, None]).double().mean(1)
+    slack = 5 * torch.sqrt(m * (1 - m) / N) + 2e-3
+    assert torch.all((empirical - m).abs() <= slack)
+
+
+def test_masking_curve_of_d_1_is_a_step():
+    hard = setdiff.StaggeredSchedule(9, 1).mask_prob(torch.linspace(0, 1, 41))
+    assert set(hard.unique().tolist()) == {0.0, 1.0}
+    assert torch.all(hard.diff(dim=0) >= 0)
+
+
+def farthest_reveal(sched, n):
+    """Replaying n orders: the farthest revealed token beyond the leftmost unrevealed one."""
+    L = sched.L
+    worst = 0
+    for order in torch.argsort(-sched.first_hitting_times(n, gen(2)), 1).tolist():
+        revealed = [False] * L
+        f = 0
+        for p in order:
+            revealed[p] = True
+            while f < L and revealed[f]:
+                f += 1
+            if f < L:
+                last = max(i for i in range(L) if revealed[i])
+                worst = max(worst, last - f)
+    return worst
+
+
+@table(
+    "d,s",
+    {
+        "d4-s8": (4, 8),  # s = 2d: r = s
+        "d3-s5": (3, 5),  # s < 2d
+        "d4-s4": (4, 4),  # d = s: r a bit over d
+        "d6-s6": (6, 6),
+    },
+)
+def test_reveals_reach_ahead_at_most_ceil_reach(d, s):
+    """Ahead by d - 1 at least (the policy does reach ahead), by less than ceil(r) at most."""
+    sched = setdiff.StaggeredSchedule(40, d, s)
+    r = sched.b * 39 / (1 - sched.b)
+    limit = math.ceil(r - 1e-9)
+    assert d - 1 <= farthest_reveal(sched, 400) < limit
+
+
+# ---- set-causal masks, transformer ----------------------------------------------------------
+def test_set_causal_mask_is_the_worked_example():
     """Clean slot i sees clean j <= i, no mask slot; mask slot i sees clean j < i, and itself."""
     rows = ["1000 0000", "1100 0000", "1110 0000", "1111 0000"]  # clean slots c0..c3
     rows += ["0000 1000", "1000 0100", "1100 0010", "1110 0001"]  # mask slots m0..m3
     want = torch.tensor([[c == "1" for c in r if c != " "] for r in rows])
     assert torch.equal(setdiff.set_causal_mask(4), want)
-    assert "m3 [ 1  1  1  0 |  0  0  0  1 ]" in setdiff.show_mask(setdiff.set_causal_mask(4))
-    for L in (1, 2, 3, 5, 8, 13):
-        mask = setdiff.set_causal_mask(L)
-        for q in range(2 * L):
-            for k in range(2 * L):
-                i, j, k_clean = q % L, k % L, k < L
-                want = (k_clean and j <= i) if q < L else (j < i if k_clean else i == j)
-                assert bool(mask[q, k]) == want, (L, q, k)
-    # permuting the slots (tokens, positions, mask) permutes the output; rotary is relative
-    model, p = tiny_model(), torch.randperm(10, generator=gen(1))
+
+
+def test_show_mask_prints_the_worked_example():
+    shown = setdiff.show_mask(setdiff.set_causal_mask(4))
+    assert "m3 [ 1  1  1  0 |  0  0  0  1 ]" in shown
+
+
+@table("L", {f"L{L}": L for L in (1, 2, 3, 5, 8, 13)})
+def test_set_causal_mask_follows_the_rules_slot_by_slot(L):
+    mask = setdiff.set_causal_mask(L)
+    for q in range(2 * L):
+        for k in range(2 * L):
+            i = q % L
+            j = k % L
+            if q < L:  # a clean query: earlier and own clean slots
+                want = k < L and j <= i
+            else:  # a mask query: earlier clean slots, and its own slot
+                want = j < i if k < L else i == j
+            assert bool(mask[q, k]) == want, (q, k)
+
+
+def random_call():
+    """A model and a call: 10 tokens, shuffled positions, a random mask with the diagonal."""
+    model = tiny_model()
     tokens = random_rows(model.cfg, 1)[:, :10]
-    positions = torch.tensor([[0, 7, 3, 2, 9, 1, 5, 4, 8, 6]])
-    attn = (torch.rand(1, 10, 10, generator=gen(0)) < 0.5) | torch.eye(10, dtype=torch.bool)
-    h = model.run(tokens, positions, attn)
-    permuted = model.run(tokens[:, p], positions[:, p], attn[:, p][:, :, p])
-    assert torch.allclose(permuted, h[:, p], atol=1e-5)
-    assert torch.allclose(model.run(tokens, positions + 13, attn), h, atol=1e-4)
-    # the authors' pieces: tanh GELU, LayerNorm without bias, a head with a bias, dropout on
-    # residual branches only, the rotary table in float32 as pos * 1 / 10000^(2i/hd)
-    model = SetDiffusionLM(tiny_cfg(dropout=0.5))
-    names = dict(model.named_parameters())
+    positions = torch.randperm(10, generator=gen(2))[None]
+    attn = torch.rand(1, 10, 10, generator=gen(0)) < 0.5
+    attn |= torch.eye(10, dtype=torch.bool)
+    return model, tokens, positions, attn
+
+
+def test_permuting_the_slots_permutes_the_logits():
+    model, tokens, positions, attn = random_call()
+    p = torch.randperm(10, generator=gen(1))
+    z = model(tokens, positions, attn)
+    permuted = model(tokens[:, p], positions[:, p], attn[:, p][:, :, p])
+    assert torch.allclose(permuted, z[:, p], atol=1e-4)
+
+
+def test_rotary_sees_only_relative_positions():
+    model, tokens, positions, attn = random_call()
+    z = model(tokens, positions, attn)
+    shifted = model(tokens, positions + 13, attn)
+    assert torch.allclose(shifted, z, atol=1e-4)
+
+
+# the authors' pieces: tanh GELU, LayerNorm without bias, a zero head with a bias, dropout on
+# residual branches only, the rotary table in float32 as pos * 1 / 10000^(2i/hd)
+def test_layer_norms_have_no_bias_and_the_head_has_one():
+    names = dict(SetDiffusionLM(tiny_cfg()).named_parameters())
     assert "head.bias" in names
     assert not any(n.endswith("ln1.bias") or n == "ln_f.bias" for n in names)
-    assert torch.all(names["head.bias"] == 0) and torch.all(names["head.weight"] == 0)
+
+
+def test_head_starts_at_zero():
+    head = SetDiffusionLM(tiny_cfg()).head
+    assert torch.all(head.bias == 0)
+    assert torch.all(head.weight == 0)
+
+
+def test_mlp_uses_the_tanh_gelu():
+    model = SetDiffusionLM(tiny_cfg())
     assert model.blocks[0].mlp[1].approximate == "tanh"
+
+
+def test_dropout_sits_on_residual_branches_only():
+    model = SetDiffusionLM(tiny_cfg(dropout=0.5))
     drops = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)]
     assert drops == ["blocks.0.drop", "blocks.1.drop"]  # neither on embeddings nor attention
+
+
+def test_rotary_table_is_the_authors_float32_recipe():
+    """Angles position / 10000^(2i/hd): close to float64, equal to the authors' float32 table."""
+    model = SetDiffusionLM(tiny_cfg())
     exponent = torch.arange(0, 16, 2) / 16
-    angle = torch.arange(24.0, dtype=torch.float64)[:, None] / 10000**exponent
-    assert torch.allclose(model.cos.double(), angle.cos(), atol=1e-6)  # the angles, in float32
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # the authors' recipe
-    assert torch.equal(model.sin, torch.outer(torch.arange(24).float(), inv_freq).sin())
+    exact = torch.arange(24.0, dtype=torch.float64)[:, None] / 10000**exponent
+    assert torch.allclose(model.cos.double(), exact.cos(), atol=1e-6)
+    authors = torch.outer(torch.arange(24).float(), authors_inv_freq(16))
+    assert torch.equal(model.sin, authors.sin())
 
 
-# ---------------------------------------------------------------------------- two-stream forward, loss, bound
-def test_training_forward_loss_and_the_ar_bound_equal_hand_computations(monkeypatch):
-    """logits[i] depends on the tokens before i in the order and on nothing else (x[i] included):
-    x[sigma_<r] alone (causal) and ONE mask query at sigma_r give the same logits, for every r."""
+# ---- two-stream forward, loss, bound --------------------------------------------------------
+def test_position_logits_depend_only_on_earlier_tokens_in_the_order():
     model = tiny_model()
-    x, order = random_rows(model.cfg, 1), sample_order(model.cfg, 1, gen(6))
-    base, slot_of = model(x, order), torch.argsort(order[0])  # (1, L, V) position order
-    for j in range(1, model.cfg.seq_len):  # position 0 kept
-        y = torch.where(torch.arange(24) == j, (x + 1) % 256, x)
-        changed = ~torch.isclose(model(y, order)[0], base[0], atol=1e-6).all(-1)  # (L,)
+    x = random_rows(model.cfg, 1)
+    order = sample_order(model.cfg, 1, gen(6))
+    base = setdiff.position_logits(model, x, order)[0]  # (L, V)
+    slot_of = torch.argsort(order[0])
+    for j in range(1, 24):  # position 0 kept
+        y = x.clone()
+        y[0, j] = (x[0, j] + 1) % 256
+        z = setdiff.position_logits(model, y, order)[0]
+        changed = ~torch.isclose(z, base, atol=1e-6).all(-1)  # (L,)
         assert torch.equal(changed, slot_of[j] < slot_of), j
-    for r in range(model.cfg.seq_len):
-        tokens = torch.cat([x[0, order[0, :r]], torch.tensor([model.cfg.mask_id])])[None]
-        attn = torch.ones(r + 1, r + 1).tril().bool()[None]  # the query sees all + itself
-        z = model.logits(model.run(tokens, order[:, : r + 1], attn))[0, -1]
-        assert torch.allclose(z, base[0, order[0, r]], atol=1e-5), r
-    # the loss with padding, by hand
-    model, cfg = tiny_model(), tiny_cfg()
+
+
+def test_position_logits_equal_one_query_forwards():
+    """x[sigma_<r] alone (causal) and ONE mask query at sigma_r give logits[sigma_r]."""
+    model = tiny_model()
+    x = random_rows(model.cfg, 1)
+    order = sample_order(model.cfg, 1, gen(6))
+    base = setdiff.position_logits(model, x, order)[0]
+    sigma = order[0].tolist()
+    for r in range(24):
+        z = one_query_logits(model, x, sigma[:r], sigma[r])
+        assert torch.allclose(z, base[sigma[r]], atol=1e-5), r
+
+
+def padded_rows(cfg):
+    """Three rows: whole, padded after 15 tokens, padded after 5."""
     x = random_rows(cfg, 3)
     x[1, 15:] = cfg.pad_id
     x[2, 5:] = cfg.pad_id
-    order = sample_order(cfg, 3, gen(7), pad=x == cfg.pad_id)
-    real = (x != cfg.pad_id).tolist()  # the slot of position 0 is scored in training
-    want = sum(n / sum(r) for n, r in zip(nll_of(model, x, order, real), real)) / 3
-    assert abs(model.loss(x, order).item() - want) < 1e-4
-    # padding is sorted last, and a padded row predicts its real positions as the row without it
-    assert sorted(order[2, :5].tolist()) == list(range(5))
-    assert torch.allclose(model(x, order)[2, :5], model(x[2:3, :5], order[2:3, :5])[0], atol=1e-5)
+    return x
+
+
+def test_loss_is_the_mean_nll_over_real_tokens_by_hand():
+    model = tiny_model()
+    x = padded_rows(model.cfg)
+    order = sample_order(model.cfg, 3, gen(7), pad=x == model.cfg.pad_id)
+    real = x != model.cfg.pad_id  # the slot of position 0 is scored in training
+    per_row = torch.tensor(nll_of(model, x, order, real)) / real.sum(1)
+    loss = setdiff.set_factorized_loss(model, x, order)
+    assert abs(loss.item() - per_row.mean().item()) < 1e-4
+
+
+def test_a_padded_row_predicts_like_the_row_without_padding():
+    model = tiny_model()
+    x = padded_rows(model.cfg)
+    order = sample_order(model.cfg, 3, gen(7), pad=x == model.cfg.pad_id)
+    padded = setdiff.position_logits(model, x, order)[2, :5]
+    alone = setdiff.position_logits(model, x[2:3, :5], order[2:3, :5])[0]
+    assert torch.allclose(padded, alone, atol=1e-5)
+
+
+def test_no_empty_rows_lets_an_empty_row_attend_everything():
     m = torch.tensor([[True, False], [False, False]])
-    assert torch.equal(setdiff.no_empty_rows(m), torch.tensor([[True, False], [True, True]]))
-    run = SetDiffusionLM.run
+    want = torch.tensor([[True, False], [True, True]])
+    assert torch.equal(setdiff.no_empty_rows(m), want)
 
-    def checked_run(self, tokens, positions, attn, cache=None):
-        assert attn.any(-1).all()  # no query row attends nothing
-        return run(self, tokens, positions, attn, cache)
 
-    monkeypatch.setattr(SetDiffusionLM, "run", checked_run)
-    model.train().loss(x, generator=gen(0)).backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    # the AR bound is the left-to-right sum; its metrics and line by hand
-    model, cfg = tiny_model(order="ar"), tiny_cfg(order="ar")
-    x = random_rows(cfg, 5)
-    x[4, 20:] = cfg.pad_id
+def test_padded_training_step_attends_something_in_every_row():
+    model = tiny_model().train()
+    model.forward = mock.Mock(wraps=model.forward)
+    setdiff.set_factorized_loss(model, padded_rows(model.cfg), generator=gen(0))
+    attn = model.forward.call_args.args[2]
+    assert attn.any(-1).all()  # no query row attends nothing
+
+
+def test_padded_training_step_has_finite_gradients():
+    model = tiny_model().train()
+    loss = setdiff.set_factorized_loss(model, padded_rows(model.cfg), generator=gen(0))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+NOT_FIRST = torch.arange(24) > 0  # the positions a bound scores in rows of 24 (no padding)
+
+
+def ar_bound():
+    """The AR bound of 5 rows (one padded after 20 tokens), and its left-to-right NLL sum."""
+    model = tiny_model(order="ar")
+    x = random_rows(model.cfg, 5)
+    x[4, 20:] = model.cfg.pad_id
     res = elbo(model, x, num_orders=3, batch_size=2)
-    scored = [[0 < i and x[b, i] != cfg.pad_id for i in range(24)] for b in range(5)]
-    total = sum(nll_of(model, x, torch.arange(24).expand(5, -1), scored))
-    assert res.tokens_scored == 4 * 23 + 19 and res.num_orders == 3 and res.num_seqs == 5
+    scored = (x != model.cfg.pad_id) & NOT_FIRST
+    left_to_right = torch.arange(24).expand(5, -1)
+    return res, sum(nll_of(model, x, left_to_right, scored))
+
+
+def test_ar_bound_counts_rows_orders_and_scored_tokens():
+    res, _ = ar_bound()
+    assert res.tokens_scored == 4 * 23 + 19  # neither position 0 nor padding
+    assert res.num_orders == 3
+    assert res.num_seqs == 5
+
+
+def test_ar_bound_and_perplexity_are_the_left_to_right_nll():
+    res, total = ar_bound()
+    ppl = math.exp(total / res.tokens_scored)
     assert abs(res.nll - total) < 1e-3
-    assert math.isclose(res.ppl, math.exp(total / res.tokens_scored), rel_tol=1e-3)
-    e = setdiff.Elbo(30 * math.log(2), 10, 2, 3, 0.05, 3 * math.log(2), 8.0)  # by hand:
-    m = e.metrics(num_bytes=15)  # 3 ln 2 nats/token; 30 bits / 15 bytes
-    assert math.isclose(m["ppl"], 8) and math.isclose(m["bits_per_byte"], 2) and m["se"] == 0.05
-    assert (m["num_orders"], m["tokens_scored"], m["num_seqs"], m["bytes"]) == (2, 10, 3, 15)
-    for part in ("8.000", "2.0794", "0.0500", "2.0000", "3 rows", "10 tokens", "2 orders"):
-        assert part in e.line(15), (part, e.line(15))
+    assert math.isclose(res.ppl, ppl, rel_tol=1e-3)
 
 
-def test_elbo_of_k_orders_never_scores_position_0_and_infill_is_the_chain_rule():
-    """Uniform policy: each row's NLL is the mean over K orders, drawn for all rows together (the
-    batch size cannot change them); the standard error is that of sum(NLL) / sum(tokens)."""
-    model, cfg = tiny_model(order="uniform"), tiny_cfg(order="uniform")
+def by_hand_bound():
+    """3 ln 2 nats a token over 10 tokens: perplexity 8; 30 bits over 15 bytes: 2 bits/byte."""
+    return setdiff.Elbo(30 * math.log(2), 10, 2, 3, 0.05, 3 * math.log(2), 8.0)
+
+
+def test_bound_metrics_by_hand():
+    m = by_hand_bound().metrics(num_bytes=15)
+    assert math.isclose(m["ppl"], 8)
+    assert math.isclose(m["bits_per_byte"], 2)
+    assert m["se"] == 0.05
+    counts = (m["num_orders"], m["tokens_scored"], m["num_seqs"], m["bytes"])
+    assert counts == (2, 10, 3, 15)
+
+
+LINE_PARTS = (
+    "8.000",  # perplexity
+    "2.0794",  # nats a token
+    "0.0500",  # standard error
+    "2.0000",  # bits per byte
+    "3 rows",
+    "10 tokens",
+    "2 orders",
+)
+
+
+@pytest.mark.parametrize("part", LINE_PARTS)
+def test_bound_line_prints_the_metrics(part):
+    assert part in by_hand_bound().line(15)
+
+
+def uniform_replay():
+    """Uniform policy, 4 rows (two padded), K = 4 orders drawn for all rows together: each
+    row's NLL is the mean over the replayed orders -> (model, rows, NLL per row, tokens per row)."""
+    model = tiny_model(order="uniform")
+    cfg = model.cfg
     x = random_rows(cfg, 4)
     x[2, 10:] = cfg.pad_id
     x[3, 17:] = cfg.pad_id
-    runs = [elbo(model, x, num_orders=4, batch_size=b, generator=gen(3)) for b in (1, 3, 4)]
-    g, nll, n = gen(3), [0.0] * 4, [23, 23, 9, 16]  # replay the same order draws
-    scored = [[0 < i and x[b, i] != cfg.pad_id for i in range(24)] for b in range(4)]
+    scored = (x != cfg.pad_id) & NOT_FIRST
+    g = gen(3)  # the generator elbo is given below
+    nll = torch.zeros(4, dtype=torch.float64)
     for _ in range(4):
         order = sample_order(cfg, 4, g, pad=x == cfg.pad_id)
-        nll = [a + c / 4 for a, c in zip(nll, nll_of(model, x, order, scored))]
-    rate, mean_n = sum(nll) / sum(n), sum(n) / 4
-    resid = [(a - rate * c) / mean_n for a, c in zip(nll, n)]
-    se = math.sqrt(sum((r - sum(resid) / 4) ** 2 for r in resid) / 3) / 2
-    for res in runs:
-        assert res.tokens_scored == sum(n) and abs(res.nll - sum(nll)) < 1e-3
-        assert abs(res.se - se) < 1e-6
-    assert runs[0].nll == pytest.approx(runs[1].nll, abs=1e-9) == runs[2].nll
-    # OWT rows: no BOS, no PAD; position 0 holds any token, comes first, and is not scored.
-    # LM1B rows: [CLS] both opens the row and ends sentences, and those EOS targets are scored.
+        nll += torch.tensor(nll_of(model, x, order, scored)) / 4
+    n = torch.tensor([23, 23, 9, 16], dtype=torch.float64)
+    return model, x, nll, n
+
+
+@table(
+    "batch_size",
+    {
+        "batch-1": 1,  # a row a forward
+        "batch-3": 3,  # a short last batch
+        "batch-4": 4,  # all rows in one
+    },
+)
+def test_bound_of_k_orders_is_the_mean_over_replayed_orders(batch_size):
+    """The orders are drawn for all rows together: the batch size cannot change them."""
+    model, x, nll, n = uniform_replay()
+    res = elbo(model, x, num_orders=4, batch_size=batch_size, generator=gen(3))
+    assert res.tokens_scored == n.sum()
+    assert abs(res.nll - nll.sum()) < 1e-3
+
+
+def test_bound_standard_error_is_that_of_the_pooled_rate():
+    """The standard error of sum(NLL) / sum(tokens) across rows (a ratio estimator)."""
+    model, x, nll, n = uniform_replay()
+    res = elbo(model, x, num_orders=4, generator=gen(3))
+    rate = nll.sum() / n.sum()
+    resid = (nll - rate * n) / n.mean()
+    se = resid.std() / 2  # the sample standard deviation (n - 1) over sqrt(4 rows)
+    assert abs(res.se - se) < 1e-6
+
+
+def test_bound_does_not_depend_on_the_batch_size():
+    model, x, _, _ = uniform_replay()
+    nll = [elbo(model, x, num_orders=4, batch_size=b, generator=gen(3)).nll for b in (1, 3, 4)]
+    assert max(nll) - min(nll) < 1e-9
+
+
+def test_owt_bound_never_scores_position_0():
+    """OWT rows: no BOS, no PAD; position 0 holds any token, comes first, and is not scored."""
     owt = tiny_model(bos_id=None, pad_id=None, eos_id=258)
     x = torch.randint(0, 256, (3, 24), generator=gen(8))
     x[:, 7] = 258
     res = elbo(owt, x, num_orders=2, generator=gen(1))
-    g, want = gen(1), 0.0
-    for _ in range(2):
-        order = sample_order(owt.cfg, 3, g)
-        assert torch.all(order[:, 0] == 0)
-        want += sum(nll_of(owt, x, order, [[i > 0 for i in range(24)]] * 3)) / 2
-    assert res.tokens_scored == 3 * 23 and abs(res.nll - want) < 1e-3
+    g = gen(1)
+    orders = [sample_order(owt.cfg, 3, g) for _ in range(2)]
+    want = sum(sum(nll_of(owt, x, order, NOT_FIRST)) for order in orders) / 2
+    assert res.tokens_scored == 3 * 23
+    assert abs(res.nll - want) < 1e-3
+
+
+def test_lm1b_bound_scores_the_cls_sentence_ends():
+    """LM1B rows: [CLS] both opens the row and ends sentences; those EOS targets are scored."""
     lm1b = tiny_model(eos_id=257)  # BOS = EOS
     y = random_rows(lm1b.cfg, 2)
     y[:, [9, 23]] = 257
     res = elbo(lm1b, y, generator=gen(2))
+    order = sample_order(lm1b.cfg, 2, gen(2))
+    want = sum(nll_of(lm1b, y, order, NOT_FIRST))
     assert res.tokens_scored == 2 * 23  # the sentence ends are targets, position 0 is not
-    want = sum(nll_of(lm1b, y, sample_order(lm1b.cfg, 2, gen(2)), [[i > 0 for i in range(24)]] * 2))
     assert abs(res.nll - want) < 1e-3
-    # infill: the bound of a 2-position span given the rest is the mix, in the proportions drawn,
-    # of both chains p(first | context) p(second | context, first), each a one-query forward
+
+
+def span_bound():
+    """The bound of the span 10..11 given the rest, 400 one-order draws of one row (float64)."""
+    N = 400
     model = tiny_model(order="uniform", dtype=torch.float64)
-    cfg, N = model.cfg, 400
-    x = random_rows(cfg, 1, seed=9)
-    a, b = 10, 11
-    given = (torch.arange(24) != a) & (torch.arange(24) != b)
-    context = [p for p in range(24) if given[p]]
-
-    def cond(revealed, target):  # -log p(x_target | x_revealed), one query after them
-        n = len(revealed)
-        attn = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        attn[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()  # clean: causal among themselves
-        attn[n, :] = True  # the query: every revealed token and itself
-        tokens = torch.cat([x[0, revealed], torch.tensor([cfg.mask_id])])[None]
-        z = model.logits(model.run(tokens, torch.tensor([revealed + [target]]), attn[None]))
-        return -torch.log_softmax(z, -1)[0, -1, x[0, target]].item()
-
-    ab = cond(context, a) + cond(context + [a], b)
-    ba = cond(context, b) + cond(context + [b], a)
+    x = random_rows(model.cfg, 1, seed=9)
+    given = (torch.arange(24) < 10) | (torch.arange(24) > 11)
     res = elbo(model, x.expand(N, -1), batch_size=N, generator=gen(4), given=given.expand(N, -1))
-    order = sample_order(cfg, N, gen(4), given=given.expand(N, -1))  # the same draws
-    assert torch.equal(order[:, :22], torch.tensor(context).expand(N, -1))  # context first
-    share = (order[:, 22] == a).double().mean().item()
-    assert 0.4 < share < 0.6 and res.tokens_scored == 2 * N  # both orders; only the span scored
-    assert res.nll / N == pytest.approx(share * ab + (1 - share) * ba, abs=1e-5)  # float32 logp
+    order = sample_order(model.cfg, N, gen(4), given=given.expand(N, -1))  # the same draws
+    return model, x, res, order
 
 
-# ---------------------------------------------------------------------------- sampler
-def test_top_p_confidence_mask_zero_probability_and_cached_logits(monkeypatch):
-    def almost_one(shape, **kw):
-        return torch.full(shape, 1 - 2**-53, dtype=torch.float64)
+def test_infill_bound_scores_only_the_span():
+    _, _, res, _ = span_bound()
+    assert res.tokens_scored == 2 * 400
 
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    logits, g = p.log().expand(1, 20000, 4), gen(0)
-    cand, conf = setdiff.draw_candidates(logits, 1.0, 0.7, g)  # keeps {0, 1}: 0.5 < 0.7 <= 0.8
-    freq = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
-    assert freq[2] == freq[3] == 0 and abs(freq[0] - 0.625) < 0.02
-    assert torch.allclose(conf, torch.where(cand == 0, 0.625, 0.375).double())
-    cand, conf = setdiff.draw_candidates(logits, 1.0, 0.5, g)  # mass 0.5 reached by token 0 alone
-    assert torch.all(cand == 0) and torch.all(conf == 1)
-    cand, conf = setdiff.draw_candidates(logits, 0.0, 1.0, g)  # greedy: the plain softmax prob
-    assert torch.all(cand == 0) and torch.allclose(conf, torch.full_like(conf, 0.5))
-    cand, _ = setdiff.draw_candidates(logits, 2.0, 1.0, g)  # temperature flattens
-    freq = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
-    assert torch.allclose(freq, p.sqrt() / p.sqrt().sum(), atol=0.02)
-    # u just below the total mass must not round up onto MASK, the last of the sorted distribution
+
+def test_infill_orders_put_the_context_first():
+    _, _, _, order = span_bound()
+    context = [p for p in range(24) if p not in (10, 11)]
+    assert torch.equal(order[:, :22], torch.tensor(context).expand(400, -1))
+
+
+def test_infill_bound_mixes_both_chain_rule_orders():
+    """The bound is the mix, in the proportions drawn, of both chains p(first | context)
+    p(second | context, first), each term a one-query forward."""
+    model, x, res, order = span_bound()
+    context = [p for p in range(24) if p not in (10, 11)]
+
+    def nll(revealed, target):
+        z = one_query_logits(model, x, revealed, target)
+        return -torch.log_softmax(z, -1)[x[0, target]].item()
+
+    first_10 = nll(context, 10) + nll(context + [10], 11)
+    first_11 = nll(context, 11) + nll(context + [11], 10)
+    share = (order[:, 22] == 10).double().mean().item()
+    assert 0.4 < share < 0.6  # both orders occur
+    mix = share * first_10 + (1 - share) * first_11
+    assert res.nll / 400 == pytest.approx(mix, abs=1e-5)
+
+
+# ---- sampler --------------------------------------------------------------------------------
+P4 = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+ROOTS = P4.sqrt() / P4.sqrt().sum()  # temperature 2
+DRAWS = {  # temperature, top-p -> draw frequencies, confidence of each token
+    "top-p-0.7-keeps-two": (1.0, 0.7, [0.625, 0.375, 0, 0], [0.625, 0.375, 0, 0]),
+    "top-p-0.5-keeps-one": (1.0, 0.5, [1, 0, 0, 0], [1, 0, 0, 0]),
+    "greedy": (0.0, 1.0, [1, 0, 0, 0], [0.5, 0, 0, 0]),  # confidence: the plain softmax
+    "temperature-2": (2.0, 1.0, ROOTS, ROOTS),
+}
+
+
+def draws(temperature, top_p):
+    logits = P4.log().expand(1, 20000, 4)
+    return setdiff.draw_candidates(logits, temperature, top_p, gen(0))
+
+
+@table("temperature,top_p,freq,conf", DRAWS)
+def test_draws_follow_the_tempered_top_p_distribution(temperature, top_p, freq, conf):
+    cand, _ = draws(temperature, top_p)
+    seen = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
+    want = torch.as_tensor(freq, dtype=torch.float64)
+    assert torch.equal(seen > 0, want > 0)  # top-p: {0, 1} as 0.5 < 0.7 <= 0.8
+    assert torch.allclose(seen, want, atol=0.02)
+
+
+@table("temperature,top_p,freq,conf", DRAWS)
+def test_confidence_is_the_probability_drawn_from(temperature, top_p, freq, conf):
+    cand, got = draws(temperature, top_p)
+    want = torch.as_tensor(conf, dtype=torch.float64)[cand]
+    assert torch.allclose(got, want)
+
+
+def almost_one(shape, **kw):
+    return torch.full(shape, 1 - 2**-53, dtype=torch.float64)
+
+
+@table(
+    "top_p",
+    {
+        "top-p-off": 1.0,  # the plain inverse CDF
+        "top-p-0.9": 0.9,  # the truncated one
+    },
+)
+def test_a_draw_never_rounds_up_onto_mask(top_p, monkeypatch):
+    """u just below the total mass must not land on MASK, the last of the sorted distribution."""
     logits = torch.randn(2, 3, 260, generator=gen(0))
-    logits[..., 259] = float("-inf")
-    with monkeypatch.context() as mp:
-        mp.setattr(torch, "rand", almost_one)
-        for top_p in (1.0, 0.9):
-            cand, conf = setdiff.draw_candidates(logits, 1.0, top_p)
-            assert not (cand == 259).any() and torch.all(conf > 0)
-    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0)  # tiny temperature ~ greedy
-    assert torch.equal(cand, logits.argmax(-1)) and torch.all(conf == 1)
-    model, cfg = tiny_model(), tiny_cfg()  # the model gives MASK zero probability
-    x, fresh = random_rows(cfg, 2), SetDiffusionLM(cfg)  # zero head: uniform over all but MASK
-    uniform = fresh.loss(x, generator=gen(0)).item()
-    assert math.isclose(uniform, math.log(cfg.vocab_size - 1), rel_tol=1e-6)
+    logits[..., 259] = -math.inf
+    monkeypatch.setattr(torch, "rand", almost_one)
+    cand, conf = setdiff.draw_candidates(logits, 1.0, top_p)
+    assert not (cand == 259).any()
+    assert torch.all(conf > 0)
+
+
+def test_a_tiny_temperature_is_greedy():
+    logits = torch.randn(2, 3, 260, generator=gen(0))
+    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0)
+    assert torch.equal(cand, logits.argmax(-1))
+    assert torch.all(conf == 1)
+
+
+def test_zero_head_predicts_uniformly_over_all_but_mask():
+    cfg = tiny_cfg()
+    fresh = SetDiffusionLM(cfg)
+    loss = setdiff.set_factorized_loss(fresh, random_rows(cfg, 2), generator=gen(0))
+    assert math.isclose(loss.item(), math.log(cfg.vocab_size - 1), rel_tol=1e-6)
+
+
+def mask_loving_model():
+    """A model whose head pushes hard towards MASK."""
+    model = tiny_model()
     with torch.no_grad():
-        model.head.bias[cfg.mask_id] = 50.0  # push hard towards MASK
-    assert torch.all(F.softmax(model(x, sample_order(cfg, 2, gen(0))), -1)[..., cfg.mask_id] == 0)
-    assert not (generate(model, batch_size=2, generator=gen(0)).tokens == cfg.mask_id).any()
-    # the cached and the cache-free prediction paths give the same logits on every state (float64)
-    model, cfg, T = tiny_model(dtype=torch.float64), tiny_cfg(), 24
-    for inputs in [{}, dict(infill=holes_in(cfg, [(0, 3, 10), (1, 12, 20)], seed=6)[2])]:
-        out = generate(model, batch_size=2, window=3, threshold=0.3, temperature=0.0, **inputs)
-        cache, steps = setdiff.KVCache(cfg, 2, T, max_call=T + 3, device="cpu"), out.reveal_step
-        for n in range(out.nfe):
-            # the state before step n: revealed = steps < n; step n-1 (or the context) not cached
-            canvas = torch.where(steps < n, out.tokens, cfg.mask_id)
-            queries = setdiff.gather_sets(setdiff.window_queries(canvas == cfg.mask_id, 3, None))
-            new = setdiff.gather_sets(steps == n - 1)
-            z1 = setdiff.predict(model, canvas, new, queries, cache)
-            revealed = setdiff.gather_sets(steps < n, key=steps)  # all revealed, decode order
-            z2 = setdiff.predict(model, canvas, revealed, queries)
-            valid = queries[1]
-            assert torch.allclose(z1[valid], z2[valid], atol=1e-10)
+        model.head.bias[model.cfg.mask_id] = 50.0
+    return model
 
 
-@pytest.mark.parametrize(
-    "order,window,threshold",
-    [
-        ("staggered", 3, math.inf),
-        ("staggered", 6, 0.05),
-        ("block", 3, 0.1),
-        ("uniform", 24, 0.2),
-        ("ar", 1, math.inf),
-    ],
+def test_training_forward_gives_mask_zero_probability():
+    model = mask_loving_model()
+    x = random_rows(model.cfg, 2)
+    logits = setdiff.position_logits(model, x, sample_order(model.cfg, 2, gen(0)))
+    assert torch.all(F.softmax(logits, -1)[..., model.cfg.mask_id] == 0)
+
+
+def test_generation_never_emits_mask():
+    model = mask_loving_model()
+    out = generate(model, batch_size=2, generator=gen(0))
+    assert not (out.tokens == model.cfg.mask_id).any()
+
+
+@table(
+    "inputs",
+    {
+        "unconditional": dict(batch_size=2),
+        "infill": dict(infill=holes_in(tiny_cfg(), [(0, 3, 10), (1, 12, 20)], seed=6)[2]),
+    },
 )
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cached_generation_equals_cache_free(order, window, threshold, temperature):
-    """Unconditional, prompted and infill generation; sampled decoding in float64 (a float32
-    rounding difference may, rarely, flip a draw), greedy in float32. The context never changes."""
-    kw = dict(window=window, threshold=threshold, temperature=temperature, top_p=0.9)
-    model = tiny_model(dtype=torch.float64 if temperature else torch.float32, order=order)
+def test_cached_and_cache_free_predictions_agree_on_every_state(inputs):
+    """Replays a generation call by call (float64): the cache holds the earlier calls' sets,
+    the cache-free step feeds every revealed token in decode order."""
+    model = tiny_model(dtype=torch.float64)
+    cfg = model.cfg
+    out = generate(model, window=3, threshold=0.3, temperature=0.0, **inputs)
+    calls = out.reveal_call
+    cache = setdiff.KVCache(cfg, 2, 24, max_call=27, device="cpu")
+    for n in range(out.calls):
+        # before call n: revealed = calls < n; call n-1's set (or the context) not cached
+        canvas = torch.where(calls < n, out.tokens, cfg.mask_id)
+        masked = canvas == cfg.mask_id
+        queries = setdiff.gather_sets(setdiff.window_queries(masked, 3, None))
+        new = setdiff.gather_sets(calls == n - 1)
+        cached = setdiff.predict(model, canvas, new, queries, cache)
+        revealed = setdiff.gather_sets(calls < n, key=calls)  # in decode order
+        cache_free = setdiff.predict(model, canvas, revealed, queries)
+        valid = queries[1]
+        assert torch.allclose(cached[valid], cache_free[valid], atol=1e-10)
+
+
+POLICIES = {  # order, window, threshold
+    "staggered-w3": ("staggered", 3, math.inf),
+    "staggered-w6-tau0.05": ("staggered", 6, 0.05),
+    "block-w3-tau0.1": ("block", 3, 0.1),
+    "uniform-w24-tau0.2": ("uniform", 24, 0.2),
+    "ar": ("ar", 1, math.inf),
+}
+
+
+def start_rows(cfg, start):
+    """Three rows to start from -> (generate's inputs, given positions, their tokens)."""
+    before = torch.arange(24).expand(3, -1)
+    if start == "unconditional":
+        return dict(batch_size=3), before < 1, torch.full((3, 24), cfg.bos_id)
+    if start == "prompt":
+        prompt = torch.arange(5, 14).view(3, 3)
+        context = F.pad(prompt, (1, 20), value=cfg.bos_id)
+        return dict(prompt=prompt), before < 4, context
     spans = [(0, 2, 7), (0, 15, 18), (1, 20, 24), (2, 8, 16)]
-    rows, holes, infill = holes_in(model.cfg, spans, seed=5)
-    prompt, bos = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), model.cfg.bos_id
-    pos = torch.arange(24).expand(3, -1)
-    cases = [
-        (8, dict(batch_size=3), pos < 1, torch.full((3, 24), bos)),
-        (9, dict(prompt=prompt), pos < 4, F.pad(prompt, (1, 20), value=bos)),
-        (10, dict(infill=infill), ~holes, rows),
-    ]
-    for seed, inputs, given, context in cases:
-        a = generate(model, generator=gen(seed), **inputs, **kw)
-        b = generate(model, generator=gen(seed), use_cache=False, **inputs, **kw)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
-        assert a.nfe == b.nfe == int(a.steps.max()) and not (a.tokens == model.cfg.mask_id).any()
-        assert torch.equal(a.reveal_step == setdiff.GIVEN, given)
-        assert torch.equal(a.tokens[given], context[given])
+    rows, holes, infill = holes_in(cfg, spans, seed=5)
+    return dict(infill=infill), ~holes, rows
 
 
-@pytest.mark.parametrize(
+TEMPERATURES = {"greedy": 0.0, "sampled": 1.0}
+
+
+@functools.cache  # the tests on the grid share the runs (none changes them)
+def generated(policy, decoding, start, use_cache=True):
+    """Sampled decoding runs in float64 (a float32 rounding difference between the cached
+    and cache-free paths may, rarely, flip a draw), greedy in float32. -> (out, given, context)"""
+    order, window, threshold = POLICIES[policy]
+    temperature = TEMPERATURES[decoding]
+    dtype = torch.float64 if temperature else torch.float32
+    model = tiny_model(dtype=dtype, order=order)
+    inputs, given, context = start_rows(model.cfg, start)
+    out = generate(
+        model,
+        **inputs,
+        window=window,
+        threshold=threshold,
+        temperature=temperature,
+        top_p=0.9,
+        generator=gen(8),
+        use_cache=use_cache,
+    )
+    return out, given, context
+
+
+STARTS = ("unconditional", "prompt", "infill")
+GRID = [(p, t, s) for p in POLICIES for t in TEMPERATURES for s in STARTS]
+on_grid = pytest.mark.parametrize("policy,decoding,start", GRID, ids=["-".join(c) for c in GRID])
+
+
+@on_grid
+def test_cached_generation_equals_cache_free(policy, decoding, start):
+    a, _, _ = generated(policy, decoding, start)
+    b, _, _ = generated(policy, decoding, start, use_cache=False)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.reveal_call, b.reveal_call)
+    assert a.calls == b.calls
+
+
+@on_grid
+def test_generation_fills_every_mask(policy, decoding, start):
+    out, _, _ = generated(policy, decoding, start)
+    assert not (out.tokens == BYTES.mask_id).any()
+
+
+@on_grid
+def test_generation_takes_the_calls_of_the_slowest_row(policy, decoding, start):
+    out, _, _ = generated(policy, decoding, start)
+    assert out.calls == int(out.row_calls.max())
+
+
+@on_grid
+def test_generation_keeps_the_given_tokens(policy, decoding, start):
+    out, given, context = generated(policy, decoding, start)
+    assert torch.equal(out.reveal_call == setdiff.GIVEN, given)
+    assert torch.equal(out.tokens[given], context[given])
+
+
+def decode_order(reveal_call):
+    """The full decode order by brute force: positions sorted by (call, position)."""
+    rows = []
+    for row in reveal_call.tolist():
+        pairs = sorted((c, p) for p, c in enumerate(row))
+        rows.append([p for _, p in pairs])
+    return torch.tensor(rows)
+
+
+@table(
     "order,window,set_size,use_cache",
-    [
-        ("staggered", 4, 3, True),
-        ("staggered", 4, 3, False),
-        ("block", 3, 3, True),
-        ("uniform", 5, 24, True),
-    ],
+    {
+        "staggered": ("staggered", 4, 3, True),
+        "staggered-cache-free": ("staggered", 4, 3, False),
+        "block": ("block", 3, 3, True),
+        "uniform": ("uniform", 5, 24, True),
+    },
 )
-def test_sampler_draws_from_the_training_forward(order, window, set_size, use_cache, monkeypatch):
-    """Sampled after a prompt, one token per step (float64): every step draws from the training
+def test_each_draw_is_the_training_forward_given_the_final_order(
+    order, window, set_size, use_cache, monkeypatch
+):
+    """Sampled after a prompt, one token a call (float64): every call draws from the training
     forward's distribution there, given the final sequence and its reveal order."""
     model = tiny_model(dtype=torch.float64, order=order, set_size=set_size)
-    seen, draw = [], setdiff.draw_candidates
-
-    def spy(z, *args, **kw):  # record the logits of every draw, then draw as usual
-        seen.append(z.clone())
-        return draw(z, *args, **kw)
-
+    spy = mock.Mock(wraps=setdiff.draw_candidates)  # records every draw's logits
     monkeypatch.setattr(setdiff, "draw_candidates", spy)
-    kw = dict(batch_size=2, window=window, generator=gen(15), use_cache=use_cache)
-    out = generate(model, prompt=torch.tensor([65, 66]), **kw)
-    steps = out.reveal_step.tolist()  # the full decode order, by brute force: (step, pos) sorted
-    sigma = torch.tensor([[p for _, p in sorted((s, p) for p, s in enumerate(r))] for r in steps])
-    ref = torch.log_softmax(model(out.tokens, sigma), -1)
-    assert len(seen) == out.nfe == 21 and torch.all(out.steps == out.new_tokens)
+    prompt = torch.tensor([65, 66])
+    out = generate(
+        model, prompt, batch_size=2, window=window, generator=gen(15), use_cache=use_cache
+    )
+    seen = [call.args[0] for call in spy.call_args_list]
+    assert len(seen) == out.calls == 21
+    assert torch.equal(out.row_calls, out.new_tokens)  # one token a call
+    sigma = decode_order(out.reveal_call)
+    ref = torch.log_softmax(setdiff.position_logits(model, out.tokens, sigma), -1)
     block = set_size if order == "block" else None
-    for step, logits in enumerate(seen):
-        q = setdiff.window_queries(out.reveal_step >= step, window, block)  # masked before it
+    for call, logits in enumerate(seen):
+        masked = out.reveal_call >= call  # masked before this call
+        q = setdiff.window_queries(masked, window, block)
         for b in range(2):
-            pos = int((out.reveal_step[b] == step).nonzero())
+            pos = int((out.reveal_call[b] == call).nonzero())
             slot = int(q[b, :pos].sum())  # queries are in position order
-            assert torch.allclose(torch.log_softmax(logits[b, slot], -1), ref[b, pos], atol=1e-9)
+            got = torch.log_softmax(logits[b, slot], -1)
+            assert torch.allclose(got, ref[b, pos], atol=1e-9)
 
 
-def test_block_windows_batched_rows_the_threshold_and_bad_input():
+def block_reveals():
+    """The call that revealed each position, sampled with blocks of 4 (rows of 24)."""
     model = tiny_model(order="block", set_size=4)
-    out = generate(model, batch_size=3, window=4, threshold=0.05, generator=gen(14))  # sampled
-    for row in out.reveal_step.tolist():
+    out = generate(model, batch_size=3, window=4, threshold=0.05, generator=gen(14))
+    return out.reveal_call.tolist()
+
+
+def test_block_sampler_finishes_a_block_before_the_next():
+    for row in block_reveals():
         for blk in range(5):
-            here = [s for s in row[4 * blk : 4 * blk + 4] if s >= 0]  # position 0 is given
-            assert max(here) < min(row[4 * blk + 4 : 4 * blk + 8])  # block j done before j+1
-        for step in set(row) - {setdiff.GIVEN}:
-            assert len({p // 4 for p, s in enumerate(row) if s == step}) == 1  # one block a step
-    assert generate(model, window=4, threshold=0.0, temperature=0.0).nfe == 24 // 4
-    model = tiny_model()  # batched equals row by row; the threshold sets the tokens per step
-    infill = holes_in(model.cfg, [(0, 2, 20), (1, 12, 14), (2, 5, 24)], seed=4)[2]  # rows end apart
-    kw = dict(window=5, threshold=0.3, temperature=0.0)
-    batched = generate(model, infill=infill, **kw)
-    for b in range(3):
-        single = generate(model, infill=infill[b : b + 1], **kw)
-        assert torch.equal(single.tokens[0], batched.tokens[b])
-        assert torch.equal(single.reveal_step[0], batched.reveal_step[b])
-        assert single.nfe == batched.steps[b]
-    assert batched.nfe == int(batched.steps.max())
-    one = generate(model, batch_size=2, window=3, threshold=1.5, temperature=0.0)
-    assert torch.all(one.steps == one.new_tokens) and one.nfe == 23 and one.tokens_per_step == 1
-    whole = generate(model, batch_size=2, window=3, threshold=0.0, temperature=0.0)
-    assert whole.nfe == math.ceil(23 / 3) and math.isclose(whole.tokens_per_step, 23 / 8)
-    some = generate(model, batch_size=2, window=3, threshold=0.2, temperature=0.0)
-    assert whole.nfe <= some.nfe <= one.nfe
-    for row, n in zip(some.reveal_step.tolist(), some.steps.tolist()):
-        assert {s for s in row if s >= 0} == set(range(n))  # never zero per step, per row
-    cases = [  # bad input: staggered d=3, s=6, so the largest window is 6
-        (dict(window=0), "window must be in"),
-        (dict(window=7), "window must be in"),
-        (dict(prompt=torch.arange(30)), "no room"),
-        (dict(prompt=torch.arange(10), max_new_tokens=20), "max_new_tokens"),
-        (dict(infill=torch.arange(10)), "MASK"),
-        (dict(prompt=torch.tensor([1, 259])), "MASK"),
-        (dict(prompt=torch.tensor([1, 2]), infill=torch.tensor([259])), "not both"),
-        (dict(prompt=torch.tensor([1, 999])), "token ids"),
-        (dict(prompt=torch.tensor([-1])), "token ids"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(top_p=0.0), "top-p"),
-        (dict(top_p=1.5), "top-p"),
-        (dict(threshold=float("nan")), "threshold"),
-        (dict(prompt=torch.ones(3, 2, dtype=torch.long), batch_size=2), "rows of ids"),
-        (dict(prompt=torch.tensor([[257, 5], [5, 5]]), batch_size=2), "some rows start with BOS"),
-    ]
-    for kwargs, match in cases:
-        with pytest.raises(ValueError, match=match):
-            generate(model, **kwargs)
+            here = [c for c in row[4 * blk : 4 * blk + 4] if c >= 0]  # position 0 is given
+            after = row[4 * blk + 4 : 4 * blk + 8]
+            assert max(here) < min(after)
 
 
-def test_stop_at_eos_pads_the_rest_and_counts_only_what_is_kept():
+def test_block_sampler_reveals_one_block_a_call():
+    for row in block_reveals():
+        for call in set(row) - {setdiff.GIVEN}:
+            blocks = {p // 4 for p, c in enumerate(row) if c == call}
+            assert len(blocks) == 1
+
+
+def test_block_sampler_with_threshold_0_takes_a_call_per_block():
+    model = tiny_model(order="block", set_size=4)
+    out = generate(model, window=4, threshold=0.0, temperature=0.0)
+    assert out.calls == 24 // 4
+
+
+def holey_rows(model, rows=slice(None)):
+    """Greedy infilling of three rows whose holes end apart."""
+    spans = [(0, 2, 20), (1, 12, 14), (2, 5, 24)]
+    infill = holes_in(model.cfg, spans, seed=4)[2][rows]
+    return generate(model, infill=infill, window=5, threshold=0.3, temperature=0.0)
+
+
+@table(
+    "row",
+    {
+        "row-0": 0,  # a long hole
+        "row-1": 1,  # a short hole: done first
+        "row-2": 2,  # a hole to the end of the row
+    },
+)
+def test_a_batched_row_generates_as_it_would_alone(row):
     model = tiny_model()
-    cfg = model.cfg
-    with torch.no_grad():  # every query predicts EOS with probability ~1 (the head's bias)
+    batched = holey_rows(model)
+    alone = holey_rows(model, slice(row, row + 1))
+    assert torch.equal(alone.tokens[0], batched.tokens[row])
+    assert torch.equal(alone.reveal_call[0], batched.reveal_call[row])
+    assert alone.calls == batched.row_calls[row]
+
+
+def test_calls_count_the_slowest_row():
+    out = holey_rows(tiny_model())
+    assert out.calls == int(out.row_calls.max())
+
+
+def greedy_rows(threshold):
+    """Two greedy rows of 23 new tokens, window 3."""
+    model = tiny_model()
+    return generate(model, batch_size=2, window=3, threshold=threshold, temperature=0.0)
+
+
+def test_threshold_over_1_reveals_one_token_a_call():
+    one = greedy_rows(1.5)
+    assert torch.equal(one.row_calls, one.new_tokens)
+    assert one.calls == 23
+    assert one.tokens_per_call == 1
+
+
+def test_threshold_0_reveals_the_whole_window():
+    whole = greedy_rows(0.0)
+    assert whole.calls == math.ceil(23 / 3)
+    assert math.isclose(whole.tokens_per_call, 23 / 8)
+
+
+def test_a_middle_threshold_takes_calls_between_the_extremes():
+    some = greedy_rows(0.2)
+    assert greedy_rows(0.0).calls <= some.calls <= greedy_rows(1.5).calls
+
+
+def test_every_call_reveals_a_token_in_every_row():
+    some = greedy_rows(0.2)
+    for row, n in zip(some.reveal_call.tolist(), some.row_calls.tolist()):
+        assert {c for c in row if c >= 0} == set(range(n))
+
+
+@table(
+    "kw,match",  # staggered d = 3, s = 6: the largest window is 6
+    {
+        "window-0": (dict(window=0), "--window must be in"),
+        "window-over-s": (dict(window=7), r"--window must be in \[1, 6\]"),
+        "prompt-over-L": (dict(prompt=torch.arange(30)), "--prompt is 31 tokens"),
+        "too-many-new": (dict(prompt=torch.arange(10), max_new_tokens=20), "--max-new-tokens"),
+        "infill-without-mask": (dict(infill=torch.arange(10)), "--infill has no MASK"),
+        "prompt-with-mask": (dict(prompt=torch.tensor([1, 259])), "contains MASK"),
+        "prompt-and-infill": (dict(prompt=torch.tensor([1]), infill=torch.tensor([259])), "both"),
+        "id-over-V": (dict(prompt=torch.tensor([1, 999])), "ids must lie in"),
+        "negative-id": (dict(prompt=torch.tensor([-1])), "ids must lie in"),
+        "temperature-nan": (dict(temperature=math.nan), "--temperature"),
+        "temperature-negative": (dict(temperature=-1.0), "--temperature must be >= 0"),
+        "top-p-0": (dict(top_p=0.0), "--top-p must be in"),
+        "top-p-over-1": (dict(top_p=1.5), "--top-p must be in"),
+        "threshold-nan": (dict(threshold=math.nan), "--threshold must be a number"),
+        "rows-for-batch": (dict(prompt=torch.ones(3, 2).long(), batch_size=2), "--batch-size"),
+        "bos-in-some-rows": (
+            dict(prompt=torch.tensor([[257, 5], [5, 5]]), batch_size=2),
+            "some rows start",
+        ),
+    },
+)
+def test_generate_rejects_a_bad_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_model(), **kw)
+
+
+def eos_model():
+    """Every query predicts EOS with probability ~1 (the head's bias)."""
+    model = tiny_model()
+    with torch.no_grad():
         model.head.weight.zero_()
         model.head.bias.zero_()
-        model.head.bias[cfg.eos_id] = 30.0
-    prompt = torch.tensor([cfg.eos_id, 70, 71])
-    out = generate(model, prompt=prompt, temperature=0.0, stop_at_eos=True)
-    # the EOS in the prompt does not stop; the first generated one (position 4) does
-    assert out.tokens[0, 4] == cfg.eos_id and out.nfe == 1
-    assert torch.all(out.tokens[0, 5:] == cfg.pad_id)
-    assert torch.all(out.reveal_step[0, 5:] == setdiff.ERASED)
-    # one call revealed the whole window (3 EOS) but keeps 1: 1 token per call, not 3
-    assert out.new_tokens.tolist() == [1] and out.tokens_per_step == 1.0
-    wide = generate(model, batch_size=2, window=6, threshold=0.0, temperature=0.0, stop_at_eos=True)
-    assert wide.new_tokens.tolist() == [1, 1] and wide.tokens_per_step == 1.0  # 6 revealed, 1 kept
-    rows, holes, infill = holes_in(cfg, [(0, 3, 6), (1, 10, 20)], seed=7)  # right context survives
-    a = generate(model, infill=infill, temperature=0.0, window=3, stop_at_eos=True)
-    b = generate(model, infill=infill, temperature=0.0, window=3, stop_at_eos=True, use_cache=False)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.reveal_step, b.reveal_step)
-    assert torch.equal(a.tokens[~holes], rows[~holes]) and a.tokens[0, 3] == cfg.eos_id
-    assert torch.all(a.tokens[0, 4:6] == cfg.pad_id) and a.new_tokens[0] == 1
-    cfg = tiny_cfg(seq_len=8)  # the rule by hand
-    B, M, E, P = cfg.bos_id, cfg.mask_id, cfg.eos_id, cfg.pad_id
-    G, X = setdiff.GIVEN, setdiff.MASKED
-    x = torch.tensor(
-        [
-            [B, 65, M, 66, E, 67, M, 68],  # masked before the EOS: go on
-            [B, 65, 66, E, 67, M, 68, 69],  # stop: 67, M -> PAD; 68 is given
-            [B, E, 65, M, M, M, M, M],  # a given EOS never stops
-        ]
+        model.head.bias[model.cfg.eos_id] = 30.0
+    return model
+
+
+def eos_after_prompt():
+    """Greedy, stopping at EOS, after a prompt that holds an EOS."""
+    prompt = torch.tensor([BYTES.eos_id, 70, 71])
+    return generate(eos_model(), prompt=prompt, temperature=0.0, stop_at_eos=True)
+
+
+def test_the_first_generated_eos_stops_the_row():
+    """The EOS in the prompt does not stop; the first generated one (position 4) does."""
+    out = eos_after_prompt()
+    assert out.tokens[0, 4] == BYTES.eos_id
+    assert out.calls == 1
+
+
+def test_a_stopped_row_is_padded_and_marked_erased():
+    out = eos_after_prompt()
+    assert torch.all(out.tokens[0, 5:] == BYTES.pad_id)
+    assert torch.all(out.reveal_call[0, 5:] == setdiff.ERASED)
+
+
+@table(
+    "kw,kept",
+    {
+        "window-3": (dict(prompt=torch.tensor([BYTES.eos_id, 70, 71])), [1]),
+        "window-6": (dict(batch_size=2, window=6, threshold=0.0), [1, 1]),
+    },
+)
+def test_tokens_per_call_counts_only_the_kept_tokens(kw, kept):
+    """One call revealed a whole window of EOS but keeps 1: 1 token a call."""
+    out = generate(eos_model(), temperature=0.0, stop_at_eos=True, **kw)
+    assert out.new_tokens.tolist() == kept
+    assert out.tokens_per_call == 1.0
+
+
+def eos_infill(use_cache=True):
+    """Greedy infilling with EOS everywhere -> (rows, holes, generation)."""
+    spans = [(0, 3, 6), (1, 10, 20)]
+    rows, holes, infill = holes_in(tiny_cfg(), spans, seed=7)
+    out = generate(
+        eos_model(), infill=infill, window=3, temperature=0.0, use_cache=use_cache, stop_at_eos=True
     )
-    step = torch.tensor(
-        [[G, 0, X, 1, 2, 2, X, G], [G, 0, 1, 2, 2, X, G, 3], [G, G, 0, X, X, X, X, X]]
-    )
-    before = x.clone()
-    assert setdiff.stop_at_first_eos(cfg, x, step).tolist() == [False, True, False]
-    assert x[1].tolist() == [B, 65, 66, E, P, P, 68, P]
-    assert step[1].tolist() == [G, 0, 1, 2, -2, -2, G, -2]
-    assert torch.equal(x[[0, 2]], before[[0, 2]])
-    owt = tiny_cfg(seq_len=8, bos_id=None, pad_id=None)  # no PAD: the rest becomes EOS
-    y = torch.tensor([[5, 65, 66, E, 67, M, 68, 69]])
-    setdiff.stop_at_first_eos(owt, y, step[1:2].clone())
-    assert y[0].tolist() == [5, 65, 66, E, E, E, 68, E]
-    model = tiny_model(bos_id=None, pad_id=None)  # without BOS, sampling starts a document
+    return rows, holes, out
+
+
+def test_stopping_at_eos_cached_equals_cache_free():
+    _, _, a = eos_infill()
+    _, _, b = eos_infill(use_cache=False)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.reveal_call, b.reveal_call)
+
+
+def test_stopping_at_eos_keeps_the_right_context():
+    rows, holes, out = eos_infill()
+    assert torch.equal(out.tokens[~holes], rows[~holes])
+
+
+def test_stopping_at_eos_pads_the_rest_of_the_hole():
+    _, _, out = eos_infill()
+    assert out.tokens[0, 3] == BYTES.eos_id
+    assert torch.all(out.tokens[0, 4:6] == BYTES.pad_id)
+    assert out.new_tokens[0] == 1
+
+
+SYMBOLS = {
+    "B": BYTES.bos_id,
+    "E": BYTES.eos_id,
+    "M": BYTES.mask_id,
+    "P": BYTES.pad_id,
+    "G": setdiff.GIVEN,
+    "X": setdiff.MASKED,
+    "R": setdiff.ERASED,
+}
+
+
+def hand_row(row):
+    """A row by hand: B, E, M, P for BOS, EOS, MASK, PAD; reveal calls G given, X masked,
+    R erased; numbers as they are."""
+    return [SYMBOLS[s] if s in SYMBOLS else int(s) for s in row.split()]
+
+
+EOS_ROWS = [
+    "B 65 M 66 E 67 M 68",  # masked before the EOS: go on
+    "B 65 66 E 67 M 68 69",  # stop: 67, M -> PAD; 68 is given
+    "B E 65 M M M M M",  # a given EOS never stops
+]
+EOS_CALLS = ["G 0 X 1 2 2 X G", "G 0 1 2 2 X G 3", "G G 0 X X X X X"]
+
+
+def stop_eos_rows(**kw):
+    """stop_at_first_eos on the rows above (L = 8) -> (stopped rows, rows, reveal calls)."""
+    x = torch.tensor([hand_row(row) for row in EOS_ROWS])
+    calls = torch.tensor([hand_row(row) for row in EOS_CALLS])
+    stop = setdiff.stop_at_first_eos(tiny_cfg(seq_len=8, **kw), x, calls)
+    return stop.tolist(), x.tolist(), calls.tolist()
+
+
+def test_stop_at_first_eos_needs_everything_before_a_generated_eos():
+    stop, _, _ = stop_eos_rows()
+    assert stop == [False, True, False]
+
+
+def test_stop_at_first_eos_pads_after_it_but_keeps_given_tokens():
+    _, x, calls = stop_eos_rows()
+    assert x[1] == hand_row("B 65 66 E P P 68 P")
+    assert calls[1] == hand_row("G 0 1 2 R R G R")
+
+
+def test_stop_at_first_eos_leaves_the_other_rows_alone():
+    _, x, calls = stop_eos_rows()
+    assert x[::2] == [hand_row(row) for row in EOS_ROWS[::2]]
+    assert calls[::2] == [hand_row(row) for row in EOS_CALLS[::2]]
+
+
+def test_stop_at_first_eos_without_pad_fills_with_eos():
+    _, x, _ = stop_eos_rows(bos_id=None, pad_id=None)
+    assert x[1] == hand_row("B 65 66 E E E 68 E")
+
+
+def test_without_bos_sampling_starts_a_document():
+    model = tiny_model(bos_id=None, pad_id=None)
     out = generate(model, batch_size=2, temperature=0.0)
     assert torch.all(out.tokens[:, 0] == model.cfg.eos_id)  # like the authors' OWT samples
-    prompt = generate(model, prompt=torch.tensor([65, 66]), temperature=0.0, max_new_tokens=3)
-    assert prompt.tokens[0, :2].tolist() == [65, 66] and prompt.tokens.shape == (1, 5)
 
 
-# ---------------------------------------------------------------------------- checkpoints
+def test_without_bos_a_prompt_starts_the_row():
+    model = tiny_model(bos_id=None, pad_id=None)
+    out = generate(model, prompt=torch.tensor([65, 66]), temperature=0.0, max_new_tokens=3)
+    assert out.tokens[0, :2].tolist() == [65, 66]
+    assert out.tokens.shape == (1, 5)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
 def full_disk(obj, f, *args, **kwargs):
     """torch.save on a full disk: part of the file written, then a RuntimeError."""
     open(f, "wb").write(b"partial")
     raise RuntimeError("PytorchStreamWriter failed writing file data/0: (No space left on device)")
+
+
+def saved(tmp_path):
+    """A tiny model saved at step 7 -> (model, path)."""
+    model = tiny_model()
+    path = tmp_path / "ckpt.pt"
+    setdiff.save_checkpoint(path, model, BYTES, step=7)
+    return model, path
+
+
+def test_checkpoint_round_trips_config_tokenizer_and_extras(tmp_path):
+    model, path = saved(tmp_path)
+    loaded, tok, ckpt = load_checkpoint(path)
+    assert loaded.cfg == model.cfg
+    assert tok.spec() == BYTES.spec()
+    assert ckpt["step"] == 7
+
+
+def test_a_loaded_checkpoint_predicts_as_the_saved_model(tmp_path):
+    model, path = saved(tmp_path)
+    loaded = load_checkpoint(path)[0].eval()
+    x = random_rows(model.cfg, 2)
+    order = sample_order(model.cfg, 2, gen(12))
+    want = setdiff.position_logits(model, x, order)
+    assert torch.equal(setdiff.position_logits(loaded, x, order), want)
+
+
+def test_a_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
+    model, path = saved(tmp_path)
+    before = path.read_bytes()
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        setdiff.save_checkpoint(path, model, BYTES, step=8)
+    assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left
+
+
+BAD_CHECKPOINTS = {
+    "cut.pt": "not a readable checkpoint",
+    "junk.pt": "not a readable checkpoint",
+    "other.pt": "not a setdiff checkpoint",
+    "newer.pt": "does not match",
+    "old.pt": "older setdiff",
+    "missing.pt": "not found",
+}
+
+
+@pytest.mark.parametrize("name", BAD_CHECKPOINTS)
+def test_load_refuses_a_bad_checkpoint(tmp_path, name):
+    _, path = saved(tmp_path)
+    good = path.read_bytes()
+    ckpt = load_checkpoint(path)[2]
+    (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "junk.pt").write_bytes(b"hello")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    newer = ckpt["config"] | {"flash": True}
+    torch.save(ckpt | {"config": newer}, tmp_path / "newer.pt")
+    torch.save(ckpt | {"format": "setdiff-checkpoint-1"}, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match=BAD_CHECKPOINTS[name]):
+        load_checkpoint(tmp_path / name)
 
 
 # Released models: folders written here as the authors' code writes them, and their log-probs
@@ -607,36 +1284,54 @@ def write_vocab(path, pieces=VOCAB):
 
 def authors_config(V, L, D, H, N, d, mask_id, **backbone):
     """config.json as transformers writes it for the authors' SetDLM (BD3LMConfig)."""
-    net = dict(_target_="backbone_dit.DIT", length=L, causal_attention=False, adaln=False)
-    net |= dict(hidden_size=D, cond_dim=128, n_heads=H, num_layers=N, dropout=0.1)
-    net |= dict(tie_word_embeddings=True, attn_backend="sdpa", vocab_size=V, block_size=L)
-    net |= dict(pretrained_model_name_or_path=None) | backbone
-    noise = dict(_target_="noise_schedule_noise_schedules.StaggeredNoise", eps=0.001, block_size=L)
-    noise |= dict(desired_block_size=d, max_block_size=L, length=L)
-    tokens = dict(vocab_size=V, mask_token_id=mask_id, pad_token_id=0, bos_token_id=None)
-    auto = dict(AutoConfig="bd3lm.BD3LMConfig", AutoModelForMaskedLM="setdlm.SetDLM")
-    spec = dict(architectures=["SetDLM"], model_type="bd3lm", auto_map=auto, attn_backend="sdpa")
-    spec |= dict(backbone_config=net, noise_config=noise, length=L, block_size=L, eval_block_size=L)
-    spec |= dict(keep_clean_bos=True, tokenization_config=tokens, vocab_size=V, pad_token_id=0)
-    return spec | dict(mask_token_id=mask_id, torch_dtype="float32", transformers_version="4.52.4")
+    net = {
+        "_target_": "backbone_dit.DIT",
+        "length": L,
+        "causal_attention": False,
+        "adaln": False,
+        "hidden_size": D,
+        "cond_dim": 128,
+        "n_heads": H,
+        "num_layers": N,
+        "dropout": 0.1,
+        "tie_word_embeddings": True,
+        "attn_backend": "sdpa",
+        "vocab_size": V,
+        "block_size": L,
+        "pretrained_model_name_or_path": None,
+    }
+    noise = {
+        "_target_": "noise_schedule_noise_schedules.StaggeredNoise",
+        "eps": 0.001,
+        "block_size": L,
+        "desired_block_size": d,
+        "max_block_size": L,
+        "length": L,
+    }
+    tokens = {"vocab_size": V, "mask_token_id": mask_id, "pad_token_id": 0, "bos_token_id": None}
+    return {
+        "architectures": ["SetDLM"],
+        "model_type": "bd3lm",
+        "auto_map": {"AutoConfig": "bd3lm.BD3LMConfig", "AutoModelForMaskedLM": "setdlm.SetDLM"},
+        "attn_backend": "sdpa",
+        "backbone_config": net | backbone,
+        "noise_config": noise,
+        "length": L,
+        "block_size": L,
+        "eval_block_size": L,
+        "keep_clean_bos": True,
+        "tokenization_config": tokens,
+        "vocab_size": V,
+        "pad_token_id": 0,
+        "mask_token_id": mask_id,
+        "torch_dtype": "float32",
+        "transformers_version": "4.52.4",
+    }
 
 
-def write_released(folder, model, vocab):
-    """A released folder of `model`: config.json, vocab.txt, the authors' weight names by hand."""
-    cfg = model.cfg
-    folder.mkdir()
-    write_vocab(folder / "vocab.txt", vocab)
-    shape = (cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_head, cfg.n_layer, cfg.set_size)
-    (folder / "config.json").write_text(json.dumps(authors_config(*shape, cfg.mask_id)))
-    state = {}
-    for name, tensor in model.state_dict().items():
-        name = name.replace("tok_emb.weight", "vocab_embed.embedding")
-        name = name.replace(".ln1.", ".norm1.").replace(".ln2.", ".norm2.")
-        name = name.replace(".attn.qkv.", ".attn_qkv.").replace(".attn.proj.", ".attn_out.")
-        name = name.replace("ln_f.", "output_layer.norm_final.")
-        state["backbone." + name.replace("head.", "output_layer.linear.")] = tensor
-    torch.save(state, folder / "pytorch_model.bin")
-    return folder
+def authors_inv_freq(hd):
+    """The authors' rotary frequencies, in float32: 1 / 10000^(2i/hd)."""
+    return 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
 
 
 def authors_weights(V, L, D, N, seed=0):
@@ -646,20 +1341,40 @@ def authors_weights(V, L, D, N, seed=0):
     def w(*shape, scale=0.3):
         return torch.randn(*shape, generator=g) * scale
 
-    sd = {"backbone.vocab_embed.embedding": w(V, D, scale=1.0)}
     hd = D // 2
-    sd["backbone.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    sd = {"backbone.vocab_embed.embedding": w(V, D, scale=1.0)}
+    sd["backbone.rotary_emb.inv_freq"] = authors_inv_freq(hd)
     for i in range(N):
         p = f"backbone.blocks.{i}."
-        sd |= {p + "norm1.weight": 1 + w(D), p + "attn_qkv.weight": w(3 * D, D)}
-        sd |= {p + "attn_out.weight": w(D, D), p + "norm2.weight": 1 + w(D)}
-        sd |= {p + "mlp.0.weight": w(4 * D, D), p + "mlp.0.bias": w(4 * D)}
-        sd |= {p + "mlp.2.weight": w(D, 4 * D), p + "mlp.2.bias": w(D)}
+        sd[p + "norm1.weight"] = 1 + w(D)
+        sd[p + "attn_qkv.weight"] = w(3 * D, D)
+        sd[p + "attn_out.weight"] = w(D, D)
+        sd[p + "norm2.weight"] = 1 + w(D)
+        sd[p + "mlp.0.weight"] = w(4 * D, D)
+        sd[p + "mlp.0.bias"] = w(4 * D)
+        sd[p + "mlp.2.weight"] = w(D, 4 * D)
+        sd[p + "mlp.2.bias"] = w(D)
     sd["backbone.output_layer.norm_final.weight"] = 1 + w(D)
     sd["backbone.output_layer.linear.weight"] = w(V, D)
     sd["backbone.output_layer.linear.bias"] = w(V)
     sd["static_attention_mask"] = torch.ones(2 * L, 2 * L, dtype=torch.bool)  # ignored on load
     return sd
+
+
+def authors_mask(L):
+    """The authors' additive mask over slots [clean | mask stream], rank = slot mod L."""
+    slot = torch.arange(2 * L)
+    rank = slot % L
+    in_mask = slot >= L
+    rq = rank[:, None]
+    rk = rank[None]
+    mq = in_mask[:, None]
+    mk = in_mask[None]
+    clean_sees_clean = ~mq & ~mk & (rk <= rq)
+    mask_sees_clean = mq & ~mk & (rk < rq)
+    itself = slot[:, None] == slot[None]
+    allowed = clean_sees_clean | mask_sees_clean | itself
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
 
 
 def authors_nll(sd, H, x, order, mask_id):
@@ -671,46 +1386,47 @@ def authors_nll(sd, H, x, order, mask_id):
     B, L = x.shape
     D = sd["backbone.vocab_embed.embedding"].shape[1]
     hd = D // H
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-    freqs = torch.einsum("i,j->ij", torch.arange(L).float(), inv_freq)
+    freqs = torch.outer(torch.arange(L).float(), authors_inv_freq(hd))
     emb = torch.cat([freqs, freqs], -1)  # (L, hd)
     pos = torch.cat([order, order], 1)  # (B, 2L)
-    cos, sin = emb.cos()[pos][:, None], emb.sin()[pos][:, None]  # (B, 1, 2L, hd)
-    tokens = torch.cat([x.gather(1, order), torch.full_like(x, mask_id)], 1)
-    slot = torch.arange(2 * L)
-    rank, in_mask = slot % L, slot >= L
-    rq, rk, mq, mk = rank[:, None], rank[None], in_mask[:, None], in_mask[None]
-    allowed = (~mq & ~mk & (rk <= rq)) | (mq & ~mk & (rk < rq)) | (slot[:, None] == slot[None])
-    bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    cos = emb.cos()[pos][:, None]  # (B, 1, 2L, hd)
+    sin = emb.sin()[pos][:, None]
+    clean = x.gather(1, order)  # (B, L) decode order
+    tokens = torch.cat([clean, torch.full_like(x, mask_id)], 1)
+    bias = authors_mask(L)
 
     def rot(t):
         t1, t2 = t.chunk(2, -1)
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
     h = sd["backbone.vocab_embed.embedding"][tokens]
-    n_layers = len({k.split(".")[2] for k in sd if k.startswith("backbone.blocks.")})
-    for i in range(n_layers):
+    N = sum(k.endswith("norm1.weight") for k in sd)  # layers
+    for i in range(N):
         p = f"backbone.blocks.{i}."
         a = F.layer_norm(h, [D], sd[p + "norm1.weight"])
-        q, k, v = (a @ sd[p + "attn_qkv.weight"].T).view(B, 2 * L, 3, H, hd).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, 2L, hd)
-        att = torch.softmax(rot(q) @ rot(k).transpose(-1, -2) / math.sqrt(hd) + bias, -1) @ v
-        h = h + att.transpose(1, 2).reshape(B, 2 * L, D) @ sd[p + "attn_out.weight"].T
+        qkv = (a @ sd[p + "attn_qkv.weight"].T).view(B, 2 * L, 3, H, hd)
+        q, k, v = qkv.transpose(1, 3).unbind(2)  # (B, H, 2L, hd)
+        att = F.scaled_dot_product_attention(rot(q), rot(k), v, attn_mask=bias)  # as theirs
+        att = att.transpose(1, 2).reshape(B, 2 * L, D)
+        h = h + att @ sd[p + "attn_out.weight"].T
         m = F.layer_norm(h, [D], sd[p + "norm2.weight"])
-        m = F.gelu(m @ sd[p + "mlp.0.weight"].T + sd[p + "mlp.0.bias"], approximate="tanh")
+        m = m @ sd[p + "mlp.0.weight"].T + sd[p + "mlp.0.bias"]
+        m = F.gelu(m, approximate="tanh")
         h = h + m @ sd[p + "mlp.2.weight"].T + sd[p + "mlp.2.bias"]
     h = F.layer_norm(h, [D], sd["backbone.output_layer.norm_final.weight"])
     head = "backbone.output_layer.linear."
     logits = h @ sd[head + "weight"].T + sd[head + "bias"]
     logits[..., mask_id] = -1e12
     logp = torch.log_softmax(logits[:, L:], -1)  # the mask stream, decode order
-    return -logp.gather(-1, x.gather(1, order)[..., None])[..., 0]
+    return -logp.gather(-1, clean[..., None])[..., 0]
 
 
 def write_safetensors(path, tensors):
     """The safetensors layout by hand: an 8-byte little-endian header size, a JSON header, bytes."""
     names = {torch.float32: "F32", torch.bool: "BOOL"}
-    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    header = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
     for name, t in tensors.items():
         blob = t.contiguous().numpy().tobytes()
         end = offset + len(blob)
@@ -722,13 +1438,14 @@ def write_safetensors(path, tensors):
 
 
 def lm1b_folder(tmp_path, weights="bin", L=16, d=4):
-    V, D, N = len(VOCAB), 16, 2
+    """A released LM1B folder (V = 24, D = 16, 2 heads, 2 layers) -> (folder, weights)."""
+    V = len(VOCAB)
     folder = tmp_path / f"lm1b-{weights}"
     folder.mkdir(exist_ok=True)
-    spec = authors_config(V, L, D, 2, N, d, VOCAB.index("[MASK]"))
+    spec = authors_config(V, L, 16, 2, 2, d, VOCAB.index("[MASK]"))
     (folder / "config.json").write_text(json.dumps(spec, indent=2))
     write_vocab(folder / "vocab.txt")
-    sd = authors_weights(V, L, D, N)
+    sd = authors_weights(V, L, 16, 2)
     if weights == "bin":
         torch.save(sd, folder / "pytorch_model.bin")
     else:
@@ -736,99 +1453,159 @@ def lm1b_folder(tmp_path, weights="bin", L=16, d=4):
     return folder, sd
 
 
-@pytest.mark.parametrize("weights", ["bin", "safetensors"])
-def test_released_folder_loads_matches_the_authors_forward_keeps_its_window(tmp_path, weights):
-    folder, sd = lm1b_folder(tmp_path, weights)
-    model, tok, ckpt = load_checkpoint(folder)
-    cfg = model.cfg
-    assert ckpt["released"] == str(folder)
-    assert (cfg.seq_len, cfg.d_model, cfg.n_layer) == (16, 16, 2)
-    assert (cfg.set_size, cfg.max_set_size) == (4, 8)  # max_block_size = L means s = min(2d, L)
-    assert cfg.bos_id == cfg.eos_id == 2 and (cfg.pad_id, cfg.mask_id) == (0, 4)  # [CLS] twice
+@pytest.fixture(params=["bin", "safetensors"])
+def released(tmp_path, request):
+    """A released LM1B folder, its weights as pytorch_model.bin or model.safetensors."""
+    return lm1b_folder(tmp_path, request.param)
+
+
+def lm1b_rows():
     x = torch.randint(5, len(VOCAB), (3, 16), generator=gen(0))
     x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
-    order = sample_order(cfg, 3, gen(1))
+    return x
+
+
+def test_a_released_folder_is_recorded_as_such(released):
+    folder, _ = released
+    assert load_checkpoint(folder)[2]["released"] == str(folder)
+
+
+def test_a_released_folder_takes_its_shape_from_config_json(released):
+    cfg = load_checkpoint(released[0])[0].cfg
+    assert (cfg.seq_len, cfg.d_model, cfg.n_layer) == (16, 16, 2)
+    assert (cfg.set_size, cfg.max_set_size) == (4, 8)  # max_block_size = L: s = min(2d, L)
+
+
+def test_a_released_lm1b_model_uses_cls_as_bos_and_eos(released):
+    cfg = load_checkpoint(released[0])[0].cfg
+    assert cfg.bos_id == cfg.eos_id == 2
+    assert (cfg.pad_id, cfg.mask_id) == (0, 4)
+
+
+def test_a_released_model_matches_the_authors_forward(released):
+    folder, sd = released
+    model = load_checkpoint(folder)[0].eval()
+    x = lm1b_rows()
+    order = sample_order(model.cfg, 3, gen(1))
     want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
-    got = -torch.log_softmax(model.eval()(x, order), -1).gather(-1, x[..., None])[..., 0]
+    logp = torch.log_softmax(setdiff.position_logits(model, x, order), -1)
+    got = -logp.gather(-1, x[..., None])[..., 0]  # position order
     assert torch.allclose(got.gather(1, order), want, atol=2e-5)
-    res = elbo(model, x, generator=gen(1))  # position 0 unscored: slot 0 dropped, as theirs
+
+
+def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
+    folder, sd = released
+    model = load_checkpoint(folder)[0]
+    x = lm1b_rows()
+    want = authors_nll(sd, 2, x, sample_order(model.cfg, 3, gen(1)), 4)
+    res = elbo(model, x, generator=gen(1))
     assert res.tokens_scored == 3 * 15
     assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
+
+
+@table(
+    "given,s",
+    {
+        "explicit": (6, 6),  # an eval override: kept
+        "L": (32, 8),  # max_block_size = L: s = min(2d, L)
+    },
+)
+def test_a_released_max_block_size_sets_s(tmp_path, given, s):
     folder, _ = lm1b_folder(tmp_path, L=32, d=4)
     spec = json.loads((folder / "config.json").read_text())
-    for given, want in [(6, 6), (32, 8)]:  # explicit (an eval override): kept; = L: min(2d, L)
-        spec["noise_config"]["max_block_size"] = given
-        (folder / "config.json").write_text(json.dumps(spec))
-        assert load_checkpoint(folder)[0].cfg.max_set_size == want
+    spec["noise_config"]["max_block_size"] = given
+    (folder / "config.json").write_text(json.dumps(spec))
+    assert load_checkpoint(folder)[0].cfg.max_set_size == s
 
 
-def test_checkpoint_round_trip_failed_save_and_the_files_refused(tmp_path, monkeypatch):
-    """A checkpoint round-trips, a failed save keeps the old file; corrupt files are refused."""
-    model, path = tiny_model(), tmp_path / "ckpt.pt"
-    setdiff.save_checkpoint(path, model, BYTES, step=7)
-    before = path.read_bytes()
-    with monkeypatch.context() as mp, pytest.raises(OSError, match="No space left on device"):
-        mp.setattr(torch, "save", full_disk)
-        setdiff.save_checkpoint(path, model, BYTES, step=8)
-    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]  # no temp file left
-    loaded, tok, ckpt = load_checkpoint(path)
-    assert ckpt["step"] == 7 and tok.spec() == BYTES.spec() and loaded.cfg == model.cfg
-    x, order = random_rows(model.cfg, 2), sample_order(model.cfg, 2, gen(12))
-    assert torch.equal(loaded.eval()(x, order), model(x, order))
-    (tmp_path / "cut.pt").write_bytes(before[: len(before) // 2])
-    (tmp_path / "junk.pt").write_bytes(b"hello")
-    torch.save({"weights": 1}, tmp_path / "other.pt")
-    torch.save(ckpt | {"config": ckpt["config"] | {"flash": True}}, tmp_path / "newer.pt")
-    torch.save(ckpt | {"format": "setdiff-checkpoint-1"}, tmp_path / "old.pt")  # the old network
-    cases = [
-        ("cut.pt", "not a readable checkpoint"),
-        ("junk.pt", "not a readable checkpoint"),
-        ("other.pt", "not a setdiff checkpoint"),
-        ("newer.pt", "does not match"),
-        ("old.pt", "older setdiff; its network differs"),
-        ("missing.pt", "not found"),
-    ]
-    for name, match in cases:
-        with pytest.raises(ValueError, match=match):
-            load_checkpoint(tmp_path / name)
-    folder, sd = lm1b_folder(tmp_path)  # folders of other models are refused
+QWEN = {
+    "_target_": "backbone_automodel.AutoModelFromPreTrained",
+    "pretrained_model_name_or_path": "Qwen/Qwen3-1.7B-Base",
+}
+OTHER_MODELS = {  # config.json changes, backbone_config changes, the refusal
+    "ar": ({"architectures": ["AR"]}, {}, "autoregressive"),
+    "causal-dit": ({}, {"causal_attention": True}, "autoregressive"),
+    "mdlm": ({"architectures": ["MDLM"], "model_type": "mdlm"}, {}, "an MDLM"),
+    "bd3lm": ({"architectures": ["BD3LM"], "block_size": 4}, {}, "a BD3-LM .*block size 4"),
+    "qwen3": ({}, QWEN, "Qwen3"),
+    "legacy-dit": ({}, {"_target_": "backbone_dit_legacy.DITLegacy"}, "legacy"),
+    "adaln": ({}, {"adaln": True}, "adaLN"),
+    "llama": ({"architectures": ["Llama"]}, {}, "unknown model"),
+}
+
+
+@table("spec,net,match", OTHER_MODELS)
+def test_load_refuses_a_folder_of_another_model(tmp_path, spec, net, match):
+    folder, _ = lm1b_folder(tmp_path)
     base = json.loads((folder / "config.json").read_text())
-    net = base["backbone_config"]
-    qwen = net | {"_target_": "backbone_automodel.AutoModelFromPreTrained"}
-    qwen |= {"pretrained_model_name_or_path": "Qwen/Qwen3-1.7B-Base"}
-    cases = [
-        (base | {"architectures": ["AR"]}, "autoregressive"),
-        (base | {"backbone_config": net | {"causal_attention": True}}, "autoregressive"),
-        (base | {"architectures": ["MDLM"], "model_type": "mdlm"}, "an MDLM"),
-        (base | {"architectures": ["BD3LM"], "block_size": 4}, "a BD3-LM .*block size 4"),
-        (base | {"backbone_config": qwen}, "Qwen3"),
-        (base | {"backbone_config": net | {"_target_": "backbone_dit_legacy.DITLegacy"}}, "legacy"),
-        (base | {"backbone_config": net | {"adaln": True}}, "adaLN"),
-        (base | {"architectures": ["Llama"]}, "unknown model"),
-    ]
-    for spec, match in cases:
-        (folder / "config.json").write_text(json.dumps(spec))
-        with pytest.raises(ValueError, match=match):
-            load_checkpoint(folder)
-    (folder / "config.json").write_text(json.dumps(base))
-    torch.save(sd | {"backbone.extra.weight": torch.zeros(2)}, folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="do not fit"):
+    spec = base | spec
+    spec["backbone_config"] = base["backbone_config"] | net
+    (folder / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=match):
         load_checkpoint(folder)
-    torch.save(sd | {"sigma_map.weight": torch.zeros(2)}, folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="unknown weight"):
+
+
+@table(
+    "extra,match",
+    {
+        "extra-backbone-weight": ({"backbone.extra.weight": torch.zeros(2)}, "do not fit"),
+        "weight-outside-backbone": ({"sigma_map.weight": torch.zeros(2)}, "unknown weight"),
+    },
+)
+def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
+    folder, sd = lm1b_folder(tmp_path)
+    torch.save(sd | extra, folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=match):
         load_checkpoint(folder)
+
+
+def test_load_refuses_a_folder_without_weights(tmp_path):
+    folder, _ = lm1b_folder(tmp_path)
     (folder / "pytorch_model.bin").unlink()
     with pytest.raises(ValueError, match="has no weights"):
         load_checkpoint(folder)
+
+
+def test_load_refuses_a_config_that_is_not_json(tmp_path):
+    folder, _ = lm1b_folder(tmp_path)
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not JSON"):
         load_checkpoint(folder)
+
+
+def test_load_refuses_a_folder_without_config_json(tmp_path):
     with pytest.raises(ValueError, match="folder without a config.json"):
         load_checkpoint(tmp_path)
 
 
-# ---------------------------------------------------------------------------- appendix: tokenizer shim
+# ---- text -> rows ---------------------------------------------------------------------------
+@table(
+    "raw,text",
+    {
+        "plain": (b"hello world", "hello world"),
+        "windows-line-end": (b"hello\r", "hello"),
+        "blank": (b" \r", ""),
+        "not-utf-8": (b"caf\xe9", None),
+        "nul-byte": (b"a\x00b", None),
+    },
+)
+def test_line_text(raw, text):
+    assert setdiff.line_text(raw) == text
 
+
+@table(
+    "kw,n",
+    {
+        "bos": (dict(), 22),  # [BOS] + L-2 tokens + [EOS]
+        "no-bos": (dict(bos_id=None, pad_id=None), 23),  # L tokens, position 0 given
+    },
+)
+def test_text_per_row_leaves_out_bos_and_the_closing_eos(kw, n):
+    """With BOS a row is [BOS] + L-2 tokens + [EOS]; without, position 0 is given, not scored."""
+    assert setdiff.text_per_row(tiny_cfg(**kw)) == n
+
+
+# ---- appendix: tokenizer shim ---------------------------------------------------------------
 # WordPiece: a hand-written vocab, chosen so that each rule of BERT's pipeline changes the
 # answer. Ten tokens a line: the id of a token is 10 * its line + its column.
 TINY_VOCAB = """[PAD] [UNK] [CLS] [SEP] [MASK] the cafe un ##aff ##able
@@ -848,45 +1625,48 @@ def tok(tmp_path):
     return Tokenizer.from_vocab(tmp_path / "vocab.txt")
 
 
-@pytest.mark.parametrize(
+@table(
     "text,pieces",
-    [
-        ("Hello, World!", "hello , world !"),  # lower-case; punctuation is a word of its own
-        ("the$5", "the $ 5"),  # $: ASCII non-alphanumeric is punctuation
-        ("the's", "the ' s"),
-        ("x-y", "x - y"),
-        ("xy", "x ##y"),
-        ("Café", "cafe"),  # accents go
-        ("cafe\u0301", "cafe"),
-        ("NAÏVE", "naive"),
-        ("Résumé", "resume"),
-        ("unaffable", "un ##aff ##able"),  # greedy longest match first, not "##a ##ff"
-        ("playing", "play ##ing"),
-        ("abbb", "a ##bb ##b"),
-        ("plays", "play ##s"),
-        ("zebra", "[UNK]"),  # no match somewhere: [UNK]
-        ("playx", "[UNK]"),
-        ("the zebra", "the [UNK]"),
-        ("a" + "b" * 99, "a" + " ##bb" * 49 + " ##b"),
-        ("a" + "b" * 100, "[UNK]"),  # over 100 characters: [UNK]
-        ("日本", "日 本"),  # each CJK ideograph is a word
-        ("the日本the", "the 日 本 the"),
-        ("hel\x00lo", "hello"),  # control and format characters are deleted
-        ("he\x07llo", "hello"),
-        ("x\u200by", "x ##y"),
-        ("x\ufeffy", "x ##y"),
-        ("x\x85y", "x ##y"),
-        ("x\ufffdy", "x ##y"),
-        ("hello\tworld\nthe\r\nx\u00a0y\u3000the\u2003the  ", "hello world the x y the the"),
-        ("   ", ""),
-        ("", ""),
-        ("ΣΣ", "σ ##σ"),  # per-character lower case: the final Σ is σ, not ς
-        ("[CLS] [SEP] [MASK] [PAD] [UNK]", "[CLS] [SEP] [MASK] [PAD] [UNK]"),  # exact case
-        ("x[SEP]y", "x [SEP] y"),
-        ("[MASK].", "[MASK] ."),
-        ("[cls]", "[ [UNK] ]"),
-        ("[[SEP]]", "[ [SEP] ]"),
-    ],
+    {
+        "lower-case-punctuation": ("Hello, World!", "hello , world !"),
+        "dollar-is-punctuation": ("the$5", "the $ 5"),  # ASCII non-alphanumeric
+        "apostrophe": ("the's", "the ' s"),
+        "hyphen": ("x-y", "x - y"),
+        "continuation": ("xy", "x ##y"),
+        "accent": ("Café", "cafe"),  # accents go
+        "combining-accent": ("cafe\u0301", "cafe"),
+        "diaeresis": ("NAÏVE", "naive"),
+        "two-accents": ("Résumé", "resume"),
+        "longest-match-first": ("unaffable", "un ##aff ##able"),  # not "##a ##ff"
+        "suffix": ("playing", "play ##ing"),
+        "greedy-bb": ("abbb", "a ##bb ##b"),
+        "suffix-s": ("plays", "play ##s"),
+        "no-match-is-unk": ("zebra", "[UNK]"),
+        "partial-match-is-unk": ("playx", "[UNK]"),
+        "unk-word": ("the zebra", "the [UNK]"),
+        "100-characters": ("a" + "b" * 99, "a" + " ##bb" * 49 + " ##b"),
+        "over-100-characters": ("a" + "b" * 100, "[UNK]"),
+        "cjk-ideographs": ("日本", "日 本"),  # each CJK ideograph is a word
+        "cjk-between-words": ("the日本the", "the 日 本 the"),
+        "nul-deleted": ("hel\x00lo", "hello"),  # control and format characters are deleted
+        "bell-deleted": ("he\x07llo", "hello"),
+        "zero-width-space": ("x\u200by", "x ##y"),
+        "bom": ("x\ufeffy", "x ##y"),
+        "next-line": ("x\x85y", "x ##y"),
+        "replacement-char": ("x\ufffdy", "x ##y"),
+        "whitespace": (
+            "hello\tworld\nthe\r\nx\u00a0y\u3000the\u2003the  ",
+            "hello world the x y the the",
+        ),
+        "only-spaces": ("   ", ""),
+        "empty": ("", ""),
+        "final-sigma": ("ΣΣ", "σ ##σ"),  # per-character lower case: σ, not ς
+        "specials": ("[CLS] [SEP] [MASK] [PAD] [UNK]", "[CLS] [SEP] [MASK] [PAD] [UNK]"),
+        "special-inside-word": ("x[SEP]y", "x [SEP] y"),
+        "special-then-punctuation": ("[MASK].", "[MASK] ."),
+        "special-exact-case": ("[cls]", "[ [UNK] ]"),
+        "special-in-brackets": ("[[SEP]]", "[ [SEP] ]"),
+    },
 )
 def test_wordpiece_encode(tok, text, pieces):
     ids = [TINY_VOCAB.index(p) for p in pieces.split()]  # a token's id is its line in the file
@@ -894,45 +1674,20 @@ def test_wordpiece_encode(tok, text, pieces):
     assert tok.encode(text + " " + text) == ids + ids  # the repeat comes from the word memo
 
 
-def test_bytes_round_trip_special_ids_decode_and_bad_vocab_files(tok, tmp_path):
-    for text in ["", "hello world", "café", "日本語", "emoji 😀👍🏽", "a\tb\nc\x00"]:
-        assert BYTES.encode(text) == list(text.encode("utf-8"))
-        assert BYTES.decode(BYTES.encode(text)) == text
-    t = BYTES
-    assert (t.kind, t.vocab_size) == ("bytes", 260)
-    assert (t.pad_id, t.bos_id, t.eos_id, t.mask_id) == (256, 257, 258, 259)
-    assert t.decode([t.bos_id, 104, 105, t.mask_id, t.eos_id, 33, t.pad_id]) == "hi\n!"  # EOS: \n
-    assert t.decode([0xC3]) == "\ufffd"  # a cut multi-byte character is replaced
-    for bad in (-1, 260, 3.0):
-        with pytest.raises(ValueError, match="outside"):
-            t.decode([bad])
-    ids = (tok.kind, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id, tok.unk_id)
-    assert ids == ("wordpiece", 41, 0, 2, 2, 4, 1)  # [CLS] is BOS and EOS (LM1B rows)
-    assert tok.decode([17, 12, 18, 14]) == "hello , world !"
-    assert tok.decode([7, 8, 9]) == "unaffable"
-    assert tok.decode([30, 31, 2, 5, 4, 0, 0]) == "playing\nthe"  # MASK, PAD vanish
-    assert tok.decode([17, 2, 18, 3]) == "hello\nworld [SEP]" and tok.decode([5, 1]) == "the [UNK]"
-    with pytest.raises(ValueError, match="outside"):
-        tok.decode([41])
-    cases = [  # bad vocab files
-        (None, "does not exist"),
-        ("dir", "is not a file"),
-        (b"", r"no \[PAD\], \[UNK\]"),
-        (vocab_bytes(TINY_VOCAB) + b"\xff\xfeoops\n", "not UTF-8"),
-        *[
-            (vocab_bytes([t for t in TINY_VOCAB if t != s]), "it has no " + re.escape(s))
-            for s in TINY_VOCAB[:5]
-        ],
-        (vocab_bytes(TINY_VOCAB + ["the"]), "twice"),
-    ]
-    for i, (content, match) in enumerate(cases):
-        path = tmp_path / f"bad-{i}.txt"
-        if content == "dir":
-            path.mkdir()
-        elif content is not None:
-            path.write_bytes(content)
-        with pytest.raises(ValueError, match=match):
-            Tokenizer.from_vocab(path)
+@table(
+    "text",
+    {
+        "empty": "",
+        "ascii": "hello world",
+        "accent": "café",
+        "cjk": "日本語",
+        "emoji": "emoji 😀👍🏽",
+        "controls": "a\tb\nc\x00",
+    },
+)
+def test_bytes_encode_utf_8_and_round_trip(text):
+    assert BYTES.encode(text) == list(text.encode("utf-8"))
+    assert BYTES.decode(BYTES.encode(text)) == text
 
 
 # GPT-2 byte-level BPE: a hand-made vocab and merges, each list worked out by hand (and confirmed
@@ -941,95 +1696,332 @@ TINY_BPE = "a b c ' s S 1 2 Ġ Ã © bc ab Ġa 's 11 Ã© Ċ".split()
 TINY_MERGES = "#version: 0.2\nb c\na b\nĠ a\n' s\n1 1\nÃ ©\n"
 
 
+def write_bpe(folder, vocab, merges):
+    (folder / "vocab.json").write_text(vocab)
+    (folder / "merges.txt").write_text(merges)
+    return Tokenizer.from_bpe(folder / "vocab.json", folder / "merges.txt")
+
+
 @pytest.fixture
 def bpe(tmp_path):
     vocab = {p: i for i, p in enumerate(TINY_BPE + ["<|endoftext|>"])}
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (tmp_path / "merges.txt").write_text(TINY_MERGES)
-    return Tokenizer.from_bpe(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    return write_bpe(tmp_path, json.dumps(vocab, ensure_ascii=False), TINY_MERGES)
 
 
-def test_bpe_encode_owt_folder_special_ids_crlf_bad_files_and_specs(bpe, tok, tmp_path):
-    """An OWT SetDLM folder: GPT-2 BPE files (no MASK in them: it is appended), no BOS, no PAD."""
-    folder, V, L = tmp_path, bpe.vocab_size, 16  # vocab.json and merges.txt written by `bpe`
-    (tmp_path / "vocab.txt").unlink()  # `tok`'s, which the loader would take for the vocab
-    spec = authors_config(V, L, 16, 2, 2, 8, V - 1, attn_backend="flex_attention")
+@pytest.fixture
+def tokenizers(tok, bpe):
+    return {"bytes": BYTES, "wordpiece": tok, "bpe": bpe}
+
+
+SPECIAL_IDS = {  # V, PAD, BOS, EOS, MASK, UNK
+    "bytes": (260, 256, 257, 258, 259, None),
+    "wordpiece": (41, 0, 2, 2, 4, 1),  # [CLS]: BOS and EOS
+    "bpe": (20, None, None, 18, 19, None),  # MASK appended: V + 1
+}
+
+
+@pytest.mark.parametrize("kind", SPECIAL_IDS)
+def test_tokenizer_size_and_special_ids(tokenizers, kind):
+    t = tokenizers[kind]
+    assert t.kind == kind
+    assert (t.vocab_size, t.pad_id, t.bos_id, t.eos_id, t.mask_id, t.unk_id) == SPECIAL_IDS[kind]
+
+
+@table(
+    "kind,ids,text",
+    {
+        "bytes-specials": ("bytes", [257, 104, 105, 259, 258, 33, 256], "hi\n!"),  # EOS: \n
+        "bytes-cut-character": ("bytes", [0xC3], "\ufffd"),
+        "wordpiece-words": ("wordpiece", [17, 12, 18, 14], "hello , world !"),
+        "wordpiece-joins-pieces": ("wordpiece", [7, 8, 9], "unaffable"),
+        "wordpiece-mask-pad-vanish": ("wordpiece", [30, 31, 2, 5, 4, 0, 0], "playing\nthe"),
+        "wordpiece-sep-kept": ("wordpiece", [17, 2, 18, 3], "hello\nworld [SEP]"),
+        "wordpiece-unk": ("wordpiece", [5, 1], "the [UNK]"),
+        "bpe-mask-vanishes": ("bpe", [0, 19, 1], "ab"),
+    },
+)
+def test_decode(tokenizers, kind, ids, text):
+    assert tokenizers[kind].decode(ids) == text
+
+
+@table(
+    "kind,bad",
+    {
+        "bytes-negative": ("bytes", -1),
+        "bytes-V": ("bytes", 260),
+        "bytes-float": ("bytes", 3.0),
+        "wordpiece-V": ("wordpiece", 41),
+    },
+)
+def test_decode_refuses_an_id_outside_the_vocab(tokenizers, kind, bad):
+    with pytest.raises(ValueError, match="outside"):
+        tokenizers[kind].decode([bad])
+
+
+def vocab_without(special):
+    """A vocab file that lacks one special token, and the refusal."""
+    content = vocab_bytes([t for t in TINY_VOCAB if t != special])
+    return content, "it has no " + re.escape(special)
+
+
+BAD_VOCABS = {  # the vocab file's bytes (None: no file) -> the refusal
+    "missing": (None, "does not exist"),
+    "a-folder": ("dir", "is not a file"),
+    "empty": (b"", r"no \[PAD\], \[UNK\]"),
+    "not-utf-8": (vocab_bytes(TINY_VOCAB) + b"\xff\xfeoops\n", "not UTF-8"),
+    **{"no-" + s: vocab_without(s) for s in TINY_VOCAB[:5]},
+    "token-twice": (vocab_bytes(TINY_VOCAB + ["the"]), "twice"),
+}
+
+
+@table("content,match", BAD_VOCABS)
+def test_from_vocab_refuses_a_bad_file(tmp_path, content, match):
+    path = tmp_path / "bad.txt"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        Tokenizer.from_vocab(path)
+
+
+def test_from_vocab_reads_crlf_without_a_final_newline(tmp_path):
+    path = tmp_path / "crlf.txt"
+    path.write_bytes("\r\n".join(TINY_VOCAB).encode("utf-8"))
+    assert Tokenizer.from_vocab(path).encode("Hello!") == [17, 14]
+
+
+@pytest.fixture
+def owt_folder(bpe, tmp_path):
+    """An OWT SetDLM folder: GPT-2 BPE files (no MASK in them: it is appended), no BOS, no PAD,
+    flex attention (so no static_attention_mask), safetensors -> (folder, weights)."""
+    V = bpe.vocab_size
+    spec = authors_config(V, 16, 16, 2, 2, 8, V - 1, attn_backend="flex_attention")
     spec["tokenization_config"] = None
-    (folder / "config.json").write_text(json.dumps(spec))
-    sd = authors_weights(V, L, 16, 2)
-    del sd["static_attention_mask"]  # flex-attention models do not store it
-    write_safetensors(folder / "model.safetensors", sd)
-    model, owt_tok, _ = load_checkpoint(folder)
-    cfg = model.cfg
-    assert cfg.bos_id is None and cfg.pad_id is None
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    sd = authors_weights(V, 16, 16, 2)
+    del sd["static_attention_mask"]
+    write_safetensors(tmp_path / "model.safetensors", sd)
+    return tmp_path, sd
+
+
+def test_an_owt_folder_has_no_bos_and_no_pad(owt_folder):
+    cfg = load_checkpoint(owt_folder[0])[0].cfg
+    assert cfg.bos_id is None
+    assert cfg.pad_id is None
     assert (cfg.eos_id, cfg.mask_id, cfg.max_set_size) == (18, 19, 16)
-    x = torch.randint(0, 19, (2, L), generator=gen(3))  # position 0: any token, not BOS
-    order = sample_order(cfg, 2, gen(4))
-    want = authors_nll(sd, 2, x, order, 19)
-    res = elbo(model.eval(), x, generator=gen(4))
+
+
+def test_an_owt_bound_matches_the_authors_forward(owt_folder):
+    folder, sd = owt_folder
+    model = load_checkpoint(folder)[0].eval()
+    x = torch.randint(0, 19, (2, 16), generator=gen(3))  # position 0: any token, not BOS
+    want = authors_nll(sd, 2, x, sample_order(model.cfg, 2, gen(4)), 19)
+    res = elbo(model, x, generator=gen(4))
     assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
+
+
+def test_owt_sampling_starts_with_endoftext(owt_folder):
+    model, owt_tok, _ = load_checkpoint(owt_folder[0])
     out = generate(model, batch_size=2, temperature=0.0)
     assert torch.all(out.tokens[:, 0] == 18)
     assert owt_tok.decode(out.tokens[0]).startswith("<|endoftext|>")
-    assert (bpe.kind, bpe.vocab_size, bpe.eos_id, bpe.mask_id) == ("bpe", 20, 18, 19)  # MASK: +1
-    assert bpe.bos_id is None and bpe.pad_id is None and bpe.decode([0, 19, 1]) == "ab"
-    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+
+
+def test_bpe_reads_crlf_merges(bpe, tmp_path):
+    merges = tmp_path / "merges.txt"
     merges.write_text(TINY_MERGES.replace("\n", "\r\n"))
-    assert Tokenizer.from_bpe(vocab, merges).encode(" abc") == bpe.encode(" abc") == [13, 11]
-    cases = [
-        ('{"a": 0}', "", "has no <\\|endoftext\\|>"),
-        ('{"a": 0, "<|endoftext|>": 2}', TINY_MERGES, "ids must be 0..n-1"),
-        ("[1, 2]", TINY_MERGES, "ids must be 0..n-1"),
-        ("{not json", TINY_MERGES, "not JSON"),
-        (json.dumps({"a": 0, "<|endoftext|>": 1}), "a b c\n", "not two pieces"),
-        (json.dumps({"a": 0, "<|endoftext|>": 1}), "a a\n", "merge 'a a' is not two pieces"),
-    ]
-    for v, m, match in cases:
-        vocab.write_text(v)
-        merges.write_text(m)
-        with pytest.raises(ValueError, match=match):
-            Tokenizer.from_bpe(vocab, merges)
-    cases = [(BYTES, "Hello, 日本!"), (tok, "Hello, unaffable [MASK] 日本!"), (bpe, " abc a's 11")]
-    for t, text in cases:
-        t2 = Tokenizer.from_spec(json.loads(json.dumps(t.spec())))
-        assert t2.spec() == t.spec() and t2.mask_id == t.mask_id
-        assert t2.encode(text) == t.encode(text)
-    (tmp_path / "crlf.txt").write_bytes("\r\n".join(TINY_VOCAB).encode("utf-8"))  # no final newline
-    assert Tokenizer.from_vocab(tmp_path / "crlf.txt").encode("Hello!") == [17, 14]
-    wp = {"kind": "wordpiece"}
-    for bad in (None, "bytes", {}, {"kind": "x"}, wp, wp | {"vocab": "?"}, wp | {"vocab": ["x"]}):
-        with pytest.raises(ValueError):
-            Tokenizer.from_spec(bad)
-    cases = [  # encode and round trip
-        ("abc", [0, 11]),  # b c (rank 0) wins over a b; the other order would give [12, 2]
-        ("ab", [12]),
-        (" abc", [13, 11]),  # a leading space is Ġ: bc first, then Ġa
-        ("a's", [0, 14]),  # the 's contraction is a pre-token
-        ("a'S", [0, 3, 5]),  # contractions are case-sensitive
-        ("1112", [15, 6, 7]),  # a digit run is one pre-token; 1 1 merges left to right
-        ("11112", [15, 15, 7]),  # every occurrence of a pair merges in one pass
-        ("a1", [0, 6]),  # letters and digits split apart
-        ("é", [16]),  # bytes C3 A9
-        ("aé", [0, 16]),
-        ("a  b", [0, 8, 8, 1]),  # \s+(?!\S) leaves the last space to the next word
-        ("a\n", [0, 17]),
-        ("a<|endoftext|>b", [0, 18, 1]),  # the special string is matched first
-    ]
-    for text, ids in cases:
-        assert bpe.encode(text) == ids and bpe.decode(ids) == text, text
+    crlf = Tokenizer.from_bpe(tmp_path / "vocab.json", merges)
+    assert crlf.encode(" abc") == bpe.encode(" abc") == [13, 11]
 
 
-# ---------------------------------------------------------------------------- train_small.py: text -> rows
+ONE_PIECE = json.dumps({"a": 0, "<|endoftext|>": 1})
+
+
+@table(
+    "vocab,merges,match",
+    {
+        "no-endoftext": ('{"a": 0}', "", "has no <\\|endoftext\\|>"),
+        "gap-in-ids": ('{"a": 0, "<|endoftext|>": 2}', TINY_MERGES, "ids must be 0..n-1"),
+        "a-list": ("[1, 2]", TINY_MERGES, "ids must be 0..n-1"),
+        "not-json": ("{not json", TINY_MERGES, "not JSON"),
+        "three-pieces": (ONE_PIECE, "a b c\n", "not two pieces"),
+        "unknown-result": (ONE_PIECE, "a a\n", "merge 'a a' is not two pieces"),
+    },
+)
+def test_from_bpe_refuses_bad_files(tmp_path, vocab, merges, match):
+    with pytest.raises(ValueError, match=match):
+        write_bpe(tmp_path, vocab, merges)
+
+
+SPEC_TEXTS = {
+    "bytes": "Hello, 日本!",
+    "wordpiece": "Hello, unaffable [MASK] 日本!",
+    "bpe": " abc a's 11",
+}
+
+
+@pytest.mark.parametrize("kind", SPEC_TEXTS)
+def test_tokenizer_spec_round_trips(tokenizers, kind):
+    t = tokenizers[kind]
+    t2 = Tokenizer.from_spec(json.loads(json.dumps(t.spec())))
+    assert t2.spec() == t.spec()
+    assert t2.mask_id == t.mask_id
+    assert t2.encode(SPEC_TEXTS[kind]) == t.encode(SPEC_TEXTS[kind])
+
+
+WP = {"kind": "wordpiece"}
+
+
+@table(
+    "spec",
+    {
+        "none": None,
+        "a-string": "bytes",
+        "empty": {},
+        "unknown-kind": {"kind": "x"},
+        "no-vocab": WP,
+        "vocab-not-a-list": WP | {"vocab": "?"},
+        "vocab-without-specials": WP | {"vocab": ["x"]},
+    },
+)
+def test_from_spec_refuses_a_bad_spec(spec):
+    with pytest.raises(ValueError):
+        Tokenizer.from_spec(spec)
+
+
+@table(
+    "text,ids",
+    {
+        "merge-rank-wins": ("abc", [0, 11]),  # b c (rank 0) before a b; else [12, 2]
+        "one-merge": ("ab", [12]),
+        "leading-space": (" abc", [13, 11]),  # Ġ: bc first, then Ġa
+        "contraction": ("a's", [0, 14]),  # the 's contraction is a pre-token
+        "contraction-case": ("a'S", [0, 3, 5]),  # contractions are case-sensitive
+        "digit-run": ("1112", [15, 6, 7]),  # one pre-token; 1 1 merges left to right
+        "every-occurrence": ("11112", [15, 15, 7]),  # every occurrence merges in one pass
+        "letters-digits-split": ("a1", [0, 6]),
+        "utf-8-bytes": ("é", [16]),  # bytes C3 A9
+        "letter-then-accent": ("aé", [0, 16]),
+        "spaces": ("a  b", [0, 8, 8, 1]),  # \s+(?!\S) leaves the last space to the word
+        "newline": ("a\n", [0, 17]),
+        "endoftext": ("a<|endoftext|>b", [0, 18, 1]),  # the special string is matched first
+    },
+)
+def test_bpe_encode_and_round_trip(bpe, text, ids):
+    assert bpe.encode(text) == ids
+    assert bpe.decode(ids) == text
+
+
+# ---- text -> rows: the LM1B detokenizer, line ids, row wrapping ----------------------------
+BOS = BYTES.bos_id
+EOS = BYTES.eos_id
+PAD = BYTES.pad_id
+
+
+@table(
+    "text,expected",
+    {  # worked out by hand from MDLM's rules, in their order
+        "period-joins-a-word": ("a . b . c .", "a . b. c."),  # the first "a" has no space
+        "period-after-no-word": ("( approx ) .", "(approx) ."),  # ")" is no word: " ." stays
+        "quote-then-no-word": ("I ' m", "I ' m"),  # "' m" is no word after the quote
+        "url": ("see http : / / x.org now", "see http://x.org now"),
+        "quotes-and-marks": ('he said , " yes " ; then left !', 'he said, "yes"; then left!'),
+        "contraction-and-dollar": ("it 's 5 $ 3 ? no", "it's 5 $3? no"),
+        "question-at-the-end": ("what ?", "what?"),
+        "brackets-colon-slash": ("[ note ] x : y / z", "[note] x: y/z"),
+        "pound": ("costs £ 5 .", "costs £5."),
+        "single-quotes": ("so ' quoted ' words", "so 'quoted' words"),
+    },
+)
+def test_lm1b_detokenize_by_hand(text, expected):
+    assert setdiff.lm1b_detokenize(text) == expected
+
+
+def ids_of(pieces):
+    """WordPiece ids by hand: a piece's id is its line in VOCAB."""
+    return [VOCAB.index(piece) for piece in pieces.split()]
+
+
+def test_line_ids_detokenize_a_wordpiece_line(tmp_path):
+    tok = Tokenizer.from_vocab(write_vocab(tmp_path / "vocab.txt"))
+    # "£ 5" detokenized is "£5": "£" is no BERT punctuation, so "5" continues the word (##5)
+    assert setdiff.line_ids(tok, "It costs £ 5 .") == ids_of("it costs £ ##5 . [CLS]")
+    assert tok.encode("It costs £ 5 .") == ids_of("it costs £ 5 .")  # encode does not
+
+
+def test_line_ids_keep_a_byte_line_as_it_is():
+    assert setdiff.line_ids(BYTES, "a , b") == [*b"a , b", EOS]
+
+
+B_, E_ = 1000, 1001  # BOS and EOS of the wrap_rows cases
+
+
+def test_wrap_rows_cuts_the_stream_into_bos_chunk_eos():
+    """Sentences 1 2 | 3 4 5 | 6 | 7 8 9 10, each + EOS, in chunks of L - 2 = 4."""
+    first = [1, 2, E_, 3, 4, 5, E_]
+    then = [6, E_, 7, 8, 9, 10, E_]
+    rows, left = setdiff.wrap_rows(first + then, 6, B_, E_)
+    assert rows.dtype == np.uint16
+    assert rows.tolist() == [
+        [B_, 1, 2, E_, 3, E_],  # 1 2 $ 3
+        [B_, 4, 5, E_, 6, E_],  # 4 5 $ 6
+        [B_, E_, 7, 8, 9, E_],  # $ 7 8 9
+    ]
+    assert left.tolist() == [10, E_]
+
+
+def test_wrap_rows_leftover_starts_the_next_call():
+    stream = [10, E_, 11, E_]  # what was left, then 11 $
+    rows, left = setdiff.wrap_rows(stream, 6, B_, E_)
+    assert rows.tolist() == [[B_, 10, E_, 11, E_, E_]]
+    assert left.tolist() == []
+
+
+def test_wrap_rows_of_a_short_stream_is_no_row():
+    rows, _ = setdiff.wrap_rows([1, 2], 6, B_, E_)
+    assert rows.shape == (0, 6)
+
+
+def test_wrap_rows_with_cls_as_bos_and_eos():
+    """[CLS] (101) after every sentence, and around every row."""
+    stream = [5, 6, 101, 7, 101, 8]  # 5 6 $ 7 $ 8
+    rows, left = setdiff.wrap_rows(stream, 4, 101, 101)
+    assert rows.tolist() == [
+        [101, 5, 6, 101],  # 5 6
+        [101, 101, 7, 101],  # $ 7
+        [101, 101, 8, 101],  # $ 8
+    ]
+    assert left.tolist() == []
+
+
+def test_wrap_rows_without_bos_are_plain_chunks():
+    stream = [1, 2, 3, 4, 5, 6, 7]
+    rows, left = setdiff.wrap_rows(stream, 3, None, 9)
+    assert rows.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert left.tolist() == [7]
+
+
+# ---- train_small.py: prepared rows ---------------------------------------------------------
 SHAPE = "--n-layer 1 --n-head 2 --d-model 32 --seq-len 32".split()
 TRAIN = "--batch-size 8 --lr 3e-3 --warmup-steps 4 --eval-rows 8 --workers 1 --log-every 4"
 TRAIN = (TRAIN + " --val-fraction 0.1 --threads 1").split()
-LM1B_LINES = [f"the {w} sat on a {v} ." for w in WORDS[:5] for v in WORDS[8:] for _ in range(3)]
 
 
-def side(line: bytes, fraction: float) -> str:
-    """The split by content hash, as the data pipeline defines it."""
-    h = int.from_bytes(hashlib.blake2b(line, digest_size=8).digest(), "little")
+def side(line, fraction):
+    """The split of a line (bytes) by its content hash, as the data pipeline defines it."""
+    digest = hashlib.blake2b(line, digest_size=8).digest()
+    h = int.from_bytes(digest, "little")
     return "val" if h < fraction * 2**64 else "train"
+
+
+def sides(lines, fraction=0.5):
+    return [side(line.encode(), fraction) for line in lines]
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def write_corpus(path, lines=600, seed=0):
@@ -1038,181 +2030,192 @@ def write_corpus(path, lines=600, seed=0):
     words = "the cat sat on a mat and a dog ran to the big red house under blue sky".split()
     text = ""
     for _ in range(lines):
-        text += " ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize() + ".\n"
+        n = rng.randint(4, 10)
+        sentence = " ".join(rng.choice(words) for _ in range(n))
+        text += sentence.capitalize() + ".\n"
     path.write_text(text)
     return path
 
 
-def ids_of(pieces: str) -> list:
-    """WordPiece ids by hand: a piece's id is its line in VOCAB."""
-    return [VOCAB.index(piece) for piece in pieces.split()]
+def prepare(path, tok, L, fraction=0.5):
+    """train_small's rows of one text file -> (rows, meta); the cache beside the file."""
+    cache = path.parent / "c"
+    return train_small.prepare_rows([path], tok, L, cache, fraction)
 
 
-def run_argv(tmp_path, out="run", *extra, shape=SHAPE):
-    data = ["--data", str(tmp_path / "corpus.txt"), "--cache-dir", str(tmp_path / "cache")]
-    return [*data, "--out", str(tmp_path / out), *shape, *TRAIN, *extra]
+def rows_meta(cache):
+    """meta.json of the one row folder in `cache`."""
+    path = next(Path(cache).glob("rows-*/meta.json"))
+    return json.loads(path.read_text())
 
 
-def resume_argv(tmp_path, out, steps):
-    cache = ["--cache-dir", str(tmp_path / "cache")]
-    return ["--resume", "--out", str(tmp_path / out), *cache, "--max-steps", str(steps)]
-
-
-def logged(out, kind):
-    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r["kind"] == kind]
-
-
-def python(*argv, **kw):
-    """`python argv...` in the repository, its output captured."""
-    cmd = [sys.executable, *argv]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)
-
-
-def same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def assert_one_error_line(err, needle):
-    """One 'error: ...' line on stderr (progress bars aside), no traceback."""
-    lines = err.replace("\r", "\n").splitlines()
-    assert "Traceback" not in err, err
-    errors = [line for line in lines if line.startswith("error")]
-    assert len(errors) == 1 and needle in errors[0], err
-    assert all("%|" in line or not line.strip() for line in lines if line not in errors), err
-
-
-def test_lm1b_detokenize_line_ids_and_wrap_rows_by_hand(tmp_path):
-    cases = {  # worked out by hand from MDLM's rules, in their order
-        "a . b . c .": "a . b. c.",  # a word before " . " joins it; the first "a" has no space
-        "( approx ) .": "(approx) .",  # ")" is no word, so " ." stays
-        "I ' m": "I ' m",  # "' m" is no word after the quote
-        "see http : / / x.org now": "see http://x.org now",
-        'he said , " yes " ; then left !': 'he said, "yes"; then left!',
-        "it 's 5 $ 3 ? no": "it's 5 $3? no",
-        "what ?": "what?",
-        "[ note ] x : y / z": "[note] x: y/z",
-        "costs £ 5 .": "costs £5.",
-        "so ' quoted ' words": "so 'quoted' words",
-    }
-    for text, expected in cases.items():
-        assert train_small.lm1b_detokenize(text) == expected, text
-    tok = Tokenizer.from_vocab(write_vocab(tmp_path / "vocab.txt"))  # line_ids detokenizes
-    # "£ 5" detokenized is "£5": "£" is no BERT punctuation, so "5" continues the word (##5)
-    assert train_small.line_ids(tok, "It costs £ 5 .") == ids_of("it costs £ ##5 . [CLS]")
-    assert tok.encode("It costs £ 5 .") == ids_of("it costs £ 5 .")  # not detokenized
-    assert train_small.line_ids(BYTES, "a , b") == [*b"a , b", BYTES.eos_id]  # bytes: as it is
-    B, E = 1000, 1001  # sentences 1 2 | 3 4 5 | 6 | 7 8 9 10, each + EOS; chunks of 4
-    rows, left = train_small.wrap_rows([1, 2, E, 3, 4, 5, E, 6, E, 7, 8, 9, 10, E], 6, B, E)
-    assert rows.dtype == np.uint16 and left.tolist() == [10, E]
-    assert rows.tolist() == [[B, 1, 2, E, 3, E], [B, 4, 5, E, 6, E], [B, E, 7, 8, 9, E]]
-    rows, left = train_small.wrap_rows(np.concatenate([left, [11, E]]), 6, B, E)  # it carries on
-    assert rows.tolist() == [[B, 10, E, 11, E, E]] and left.tolist() == []
-    assert train_small.wrap_rows([1, 2], 6, B, E)[0].shape == (0, 6)
-    C = 101  # [CLS], both BOS and EOS: after every sentence, and around every row
-    rows, left = train_small.wrap_rows([5, 6, C, 7, C, 8], 4, C, C)
-    assert rows.tolist() == [[C, 5, 6, C], [C, C, 7, C], [C, C, 8, C]] and left.tolist() == []
-    rows, left = train_small.wrap_rows([1, 2, 3, 4, 5, 6, 7], 3, None, 9)  # no BOS: plain chunks
-    assert rows.tolist() == [[1, 2, 3], [4, 5, 6]] and left.tolist() == [7]
-
-
-def test_prepared_rows_equal_hand_built_rows_and_bad_lines_are_counted(tmp_path):
-    """Bytes: EOS after each line, [BOS] + L-2 tokens + [EOS], a stream per side; WordPiece (the
-    authors' LM1B rows): [CLS] + L-2 + [CLS]; GPT-2: plain chunks. Bad lines: skipped, counted."""
+@pytest.fixture
+def byte_rows(tmp_path):
+    """Rows of L=6 of 6 lines (a blank one, CRLF, spaces), half held out -> (rows, meta)."""
     f = tmp_path / "t.txt"
-    f.write_bytes(b"ab\n\ncde\r\n  f  \nklm\nghij\nrs\n")  # blank: no sentence; CRLF, spaces go
-    assert [side(x, 0.5) for x in (b"ab", b"cde", b"f", b"ghij")] == ["train"] * 4
-    assert [side(x, 0.5) for x in (b"klm", b"rs")] == ["val"] * 2
-    rows, meta = train_small.prepare_rows([f], BYTES, 6, tmp_path / "c", 0.5, verbose=False)
-    # train: a b $ c d e $ f $ g h i j $ -> [a b $ c] [d e $ f] [$ g h i], [j $] left over
-    B, E = BYTES.bos_id, BYTES.eos_id
-    train = [[B, *b"ab", E, *b"c", E], [B, *b"de", E, *b"f", E], [B, E, *b"ghi", E]]
-    assert rows["train"].tolist() == train
-    assert rows["val"].tolist() == [[B, *b"klm", E, E]]  # k l m $, then [r s $] left over
+    f.write_bytes(b"ab\n\ncde\r\n  f  \nklm\nghij\nrs\n")
+    lines = ["ab", "cde", "f", "ghij", "klm", "rs"]
+    assert sides(lines) == ["train"] * 4 + ["val"] * 2
+    return prepare(f, BYTES, 6)
+
+
+def test_prepared_byte_rows_are_bos_chunk_eos(byte_rows):
+    """EOS after each line (a blank one is no sentence; CRLF and spaces go), [BOS] + L-2 tokens
+    + [EOS], a stream per side: train a b $ c d e $ f $ g h i j $, val k l m $ r s $."""
+    rows, _ = byte_rows
+    assert rows["train"].tolist() == [
+        [BOS, *b"ab", EOS, *b"c", EOS],
+        [BOS, *b"de", EOS, *b"f", EOS],
+        [BOS, EOS, *b"ghi", EOS],  # [j $] left over
+    ]
+    assert rows["val"].tolist() == [[BOS, *b"klm", EOS, EOS]]  # [r s $] left over
     assert rows["train"].dtype == np.uint16
-    assert meta["splits"]["train"] == {"rows": 3, "lines": 4, "tokens": 14, "text_bytes": 14}
-    assert meta["splits"]["val"] == {"rows": 1, "lines": 2, "tokens": 7, "text_bytes": 7}
+
+
+def test_prepared_rows_count_rows_lines_tokens_and_bytes(byte_rows):
+    _, meta = byte_rows
+    train = {"rows": 3, "lines": 4, "tokens": 14, "text_bytes": 14}
+    val = {"rows": 1, "lines": 2, "tokens": 7, "text_bytes": 7}
+    assert meta["splits"] == {"train": train, "val": val}
+
+
+def test_prepared_wordpiece_rows_are_cls_chunk_cls(tmp_path):
+    """The authors' LM1B rows: [CLS] + L-2 + [CLS], [CLS] also after every sentence."""
     tok = Tokenizer.from_vocab(write_vocab(tmp_path / "vocab.txt"))
     lines = ["the cat sat .", "a cat ran .", "the cat , the dog .", "the dog ran ."]
-    (tmp_path / "lm1b.txt").write_text("\n".join(lines) + "\n")
-    assert [side(x.encode(), 0.5) for x in lines] == ["val", "train", "train", "val"]
-    rows, _ = train_small.prepare_rows([tmp_path / "lm1b.txt"], tok, 6, tmp_path / "c2", 0.5)
+    assert sides(lines) == ["val", "train", "train", "val"]
+    rows, _ = prepare(write_lines(tmp_path / "lm1b.txt", lines), tok, 6)
     # train: a cat ran . [CLS] the cat , the dog . [CLS] -> 3 rows of 4, nothing left over
     train = ["a cat ran .", "[CLS] the cat ,", "the dog . [CLS]"]
     assert rows["train"].tolist() == [ids_of(f"[CLS] {r} [CLS]") for r in train]
     # val: the cat sat . [CLS] the dog ran . [CLS] -> 2 rows, [. [CLS]] left over
     val = ["the cat sat .", "[CLS] the dog ran"]
     assert rows["val"].tolist() == [ids_of(f"[CLS] {r} [CLS]") for r in val]
+
+
+@pytest.fixture
+def gpt2_vocab(tmp_path):
     vocab = {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġab": 4, "<|endoftext|>": 5}  # Ġ: a space
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nĠ ab\n")
-    tok = train_small.load_tokenizer(str(tmp_path / "vocab.json"))
-    assert (tok.kind, tok.bos_id, tok.eos_id, tok.mask_id) == ("bpe", None, 5, 6)
+    return str(tmp_path / "vocab.json")
+
+
+def test_a_gpt2_tokenizer_has_eos_and_mask_only(gpt2_vocab):
+    tok = train_small.load_tokenizer(gpt2_vocab)
+    assert tok.kind == "bpe"
+    assert (tok.bos_id, tok.eos_id, tok.mask_id) == (None, 5, 6)
+
+
+def test_prepared_gpt2_rows_are_plain_chunks(gpt2_vocab, tmp_path):
+    tok = train_small.load_tokenizer(gpt2_vocab)
     lines = ["ab", "ba ab", "ab ab", "ba"]
-    (tmp_path / "owt.txt").write_text("\n".join(lines) + "\n")
-    assert [side(x.encode(), 0.5) for x in lines] == ["train", "train", "val", "val"]
-    rows, _ = train_small.prepare_rows([tmp_path / "owt.txt"], tok, 4, tmp_path / "c3", 0.5)
+    assert sides(lines) == ["train", "train", "val", "val"]
+    rows, _ = prepare(write_lines(tmp_path / "owt.txt", lines), tok, 4)
     # train: ab E | b a Ġab E -> [3 5 1 0], [4 5] left over; val: ab Ġab E | b a E
-    assert rows["train"].tolist() == [[3, 5, 1, 0]] and rows["val"].tolist() == [[3, 4, 5, 1]]
-    long_line = b"x" * 300_000  # longer than a chunk: it stays whole
-    data = b"ok one\r\n\xff\xfe broken\nnul \x00 byte\n" + long_line + b"\nok two\nklm\nrs\n"
+    assert rows["train"].tolist() == [[3, 5, 1, 0]]
+    assert rows["val"].tolist() == [[3, 4, 5, 1]]
+
+
+LONG_LINE = b"x" * 300_000  # a long line stays whole
+GOOD_LINES = [b"ok one", LONG_LINE, b"ok two", b"klm", b"rs"]
+
+
+@pytest.fixture
+def mixed_rows(tmp_path):
+    """Rows of L=8 of GOOD_LINES and two bad lines: not UTF-8, a NUL byte -> (rows, meta)."""
+    bad = b"\xff\xfe broken\nnul \x00 byte\n"
+    data = b"ok one\r\n" + bad + LONG_LINE + b"\nok two\nklm\nrs\n"
     (tmp_path / "bad.txt").write_bytes(data)
-    rows, meta = train_small.prepare_rows([tmp_path / "bad.txt"], BYTES, 8, tmp_path / "c4", 0.5)
-    good = [b"ok one", long_line, b"ok two", b"klm", b"rs"]
-    for part in ("train", "val"):
-        text = b"".join(x + b"\n" for x in good if side(x, 0.5) == part)
-        stream = np.frombuffer(text, np.uint8).astype(np.uint16)
-        body = np.where(stream == ord("\n"), BYTES.eos_id, stream)[: len(stream) // 6 * 6]
-        np.testing.assert_array_equal(np.asarray(rows[part])[:, 1:-1], body.reshape(-1, 6))
+    return prepare(tmp_path / "bad.txt", BYTES, 8)
+
+
+@pytest.mark.parametrize("part", ["train", "val"])
+def test_prepared_rows_skip_bad_lines(mixed_rows, part):
+    rows, _ = mixed_rows
+    kept = [line for line in GOOD_LINES if side(line, 0.5) == part]
+    text = b"".join(line + b"\n" for line in kept)
+    stream = np.frombuffer(text, np.uint8).astype(np.uint16)
+    stream = np.where(stream == ord("\n"), EOS, stream)
+    n = len(stream) // 6
+    body = stream[: n * 6].reshape(n, 6)
+    got = np.asarray(rows[part])
+    np.testing.assert_array_equal(got[:, 1:-1], body)
+
+
+def test_prepared_rows_count_the_bad_lines(mixed_rows):
+    _, meta = mixed_rows
     assert meta["bad_lines"] == 2
-    assert meta["splits"]["train"]["lines"] + meta["splits"]["val"]["lines"] == 5
+    lines = [meta["splits"][part]["lines"] for part in ("train", "val")]
+    assert sum(lines) == len(GOOD_LINES)
 
 
-def test_held_out_lines_row_cache_workers_and_builtin_corpus(tmp_path, monkeypatch, capsys):
-    """Lines held out by hash, rows [BOS] ... [EOS]; the cache reused, rebuilt on a change."""
-    corpus = write_corpus(tmp_path / "corpus.txt", lines=3000)
-    cache = tmp_path / "c"
-    rows, meta = train_small.prepare_rows([corpus], BYTES, 32, cache, 0.1)
+@pytest.fixture(scope="module")
+def big_rows(tmp_path_factory):
+    """Rows of L=32 of a 3,000-line corpus, 10% held out -> (corpus, rows, meta)."""
+    d = tmp_path_factory.mktemp("rows")
+    corpus = write_corpus(d / "corpus.txt", lines=3000)
+    rows, meta = prepare(corpus, BYTES, 32, 0.1)
+    return corpus, rows, meta
+
+
+@pytest.mark.parametrize("part", ["train", "val"])
+def test_lines_are_held_out_by_their_hash_in_order(big_rows, part):
+    """Each side's rows are its lines in file order, [BOS] ... [EOS], the tail cut."""
+    corpus, rows, meta = big_rows
     lines = corpus.read_bytes().splitlines()
-    held = [line for line in lines if side(line, 0.1) == "val"]
-    for part, expected in (("val", held), ("train", [x for x in lines if x not in held])):
-        r = np.asarray(rows[part])
-        assert (r[:, 0] == BYTES.bos_id).all() and (r[:, -1] == BYTES.eos_id).all()
-        body = np.where(r[:, 1:-1] == BYTES.eos_id, ord("\n"), r[:, 1:-1])
-        stream = bytes(body.astype(np.uint8).ravel())
-        text = b"".join(line + b"\n" for line in expected)
-        assert text.startswith(stream) and len(text) - len(stream) < 30  # in order, tail cut
-        assert meta["splits"][part]["lines"] == len(expected)
+    expected = [line for line in lines if side(line, 0.1) == part]
+    r = np.asarray(rows[part])
+    assert (r[:, 0] == BOS).all()
+    assert (r[:, -1] == EOS).all()
+    body = r[:, 1:-1]
+    body = np.where(body == EOS, ord("\n"), body)
+    stream = bytes(body.astype(np.uint8).ravel())
+    text = b"".join(line + b"\n" for line in expected)
+    assert text.startswith(stream)
+    assert len(text) - len(stream) < 30
+    assert meta["splits"][part]["lines"] == len(expected)
+
+
+def test_workers_give_the_rows_of_one_process(big_rows, tmp_path, monkeypatch):
+    corpus, rows, _ = big_rows
     monkeypatch.setattr(train_small, "CHUNK_BYTES", 4096)  # ~30 chunks over 2 spawned workers
-    get_context = mock.Mock(wraps=train_small.multiprocessing.get_context)  # the workers start
+    get_context = mock.Mock(wraps=train_small.multiprocessing.get_context)
     monkeypatch.setattr(train_small.multiprocessing, "get_context", get_context)
-    parallel, _ = train_small.prepare_rows([corpus], BYTES, 32, tmp_path / "b", 0.1, 2, False)
-    assert get_context.call_args_list == [mock.call("spawn")]
+    parallel, _ = train_small.prepare_rows([corpus], BYTES, 32, tmp_path, 0.1, 2, False)
+    assert get_context.call_args_list == [mock.call("spawn")]  # the workers started
     for part in ("train", "val"):
         assert len(rows[part]) > 10
         np.testing.assert_array_equal(rows[part], parallel[part])
+
+
+def test_the_row_cache_is_reused(big_rows, capsys):
+    corpus, rows, meta = big_rows
     built = Path(rows["train"].filename)
     stamp = built.stat().st_mtime_ns
     capsys.readouterr()
-    assert train_small.prepare_rows([corpus], BYTES, 32, cache, 0.1)[1] == meta
-    assert "reusing" in capsys.readouterr().out and built.stat().st_mtime_ns == stamp
+    assert prepare(corpus, BYTES, 32, 0.1)[1] == meta
+    assert "reusing" in capsys.readouterr().out
+    assert built.stat().st_mtime_ns == stamp
+
+
+def test_the_row_cache_is_rebuilt_when_the_text_changes(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    meta = prepare(corpus, BYTES, 32, 0.1)[1]
+    new_line = "A brand new sentence that was not there before."
     with open(corpus, "a") as f:
-        f.write("A brand new sentence that was not there before.\n" * 20)
-    meta3 = train_small.prepare_rows([corpus], BYTES, 32, cache, 0.1)[1]
+        f.write(f"{new_line}\n" * 20)
+    capsys.readouterr()
+    rebuilt = prepare(corpus, BYTES, 32, 0.1)[1]
     assert "reusing" not in capsys.readouterr().out
-    new = 20 * (side(b"A brand new sentence that was not there before.", 0.1) == "train")
-    assert meta3["splits"]["train"]["lines"] == meta["splits"]["train"]["lines"] + new
-    assert meta3["sources"][0]["size"] == corpus.stat().st_size and not list(cache.rglob("*.tmp-*"))
-    # the built-in corpus is deterministic prose
-    pkg = tmp_path / "pkg"
-    (pkg / "tests").mkdir(parents=True)  # test folders are skipped
-    (pkg / "tests" / "t.py").write_text('"""Tests are skipped entirely by the walk."""')
-    (pkg / "b.py").write_text('"""A file that does not parse is skipped."""\nprint "x"')
-    (pkg / "c.py").write_text(
-        'def f():\n    """The first module has a sentence that is long enough."""\n'
-        'def g():\n    """A third file adds one more sentence of plain prose."""\n'
-    )
-    (pkg / "a.py").write_text('''"""The first module has a sentence that is long enough. Too short.
+    new = 20 * sides([new_line], 0.1).count("train")
+    lines = meta["splits"]["train"]["lines"]
+    assert rebuilt["splits"]["train"]["lines"] == lines + new
+    assert rebuilt["sources"][0]["size"] == corpus.stat().st_size
+    assert not list(tmp_path.rglob("*.tmp-*"))
+
+
+MODULE_A = '''"""The first module has a sentence that is long enough. Too short.
 Parameters
 ----------
 x : int
@@ -1223,208 +2226,427 @@ x : int
 class C:
     """Returns a :class:`Tensor` with ``x`` values in every row. Calls f(x) in its code here.
 
-    Uses numpy.sum inside a sentence that is otherwise fine."""''')
-    a = train_small.builtin_corpus(tmp_path, roots=[pkg])
-    assert a.read_text().splitlines() == [
+    Uses numpy.sum inside a sentence that is otherwise fine."""'''
+MODULE_C = '''def f():
+    """The first module has a sentence that is long enough."""
+def g():
+    """A third file adds one more sentence of plain prose."""
+'''
+
+
+@pytest.fixture
+def docs(tmp_path):
+    """A package of docstrings: prose, code-like sentences, a test folder, a broken file."""
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)  # test folders are skipped
+    (pkg / "tests" / "t.py").write_text('"""Tests are skipped entirely by the walk."""')
+    (pkg / "b.py").write_text('"""A file that does not parse is skipped."""\nprint "x"')
+    (pkg / "c.py").write_text(MODULE_C)
+    (pkg / "a.py").write_text(MODULE_A)
+    return pkg
+
+
+def test_builtin_corpus_keeps_the_prose_sentences_once(docs, tmp_path):
+    corpus = train_small.builtin_corpus(tmp_path, roots=[docs])
+    assert corpus.read_text().splitlines() == [
         "The first module has a sentence that is long enough.",
         "Returns a Tensor with x values in every row.",
         "A third file adds one more sentence of plain prose.",
     ]
-    assert np.__version__ in a.name and torch.__version__ in a.name  # versions name the cache
-    b = train_small.builtin_corpus(tmp_path, roots=[pkg], out=tmp_path / "b.txt")
+
+
+def test_builtin_corpus_is_deterministic_and_named_by_the_versions(docs, tmp_path):
+    a = train_small.builtin_corpus(tmp_path, roots=[docs])
+    assert np.__version__ in a.name
+    assert torch.__version__ in a.name
+    b = train_small.builtin_corpus(tmp_path, roots=[docs], out=tmp_path / "b.txt")
     assert b.read_bytes() == a.read_bytes()
 
 
-# ---------------------------------------------------------------------------- train_small.py: runs, --init-from, --bench
+# ---- train_small.py: runs ------------------------------------------------------------------
+def run_argv(folder, out="run", *extra, shape=SHAPE, train=TRAIN):
+    """A run in folder/out on folder/corpus.txt, the row cache in folder/cache."""
+    data = ["--data", str(folder / "corpus.txt")]
+    cache = ["--cache-dir", str(folder / "cache")]
+    return [*data, *cache, "--out", str(folder / out), *shape, *train, *extra]
+
+
+def resume_argv(folder, out, steps):
+    cache = ["--cache-dir", str(folder / "cache")]
+    out = ["--out", str(folder / out)]
+    return ["--resume", *out, *cache, "--max-steps", str(steps)]
+
+
+def logged(out, kind):
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return [r for r in records if r["kind"] == kind]
+
+
+def losses(out):
+    return [r["loss"] for r in logged(out, "train")]
+
+
+def ckpt_of(out, name="ckpt.pt"):
+    return load_checkpoint(out / name)[2]
+
+
+def python(*argv, **kw):
+    """`python argv...` in the repository, its output captured."""
+    cmd = [sys.executable, *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)
+
+
+def same_weights(a, b):
+    same = [torch.equal(a[k], b[k]) for k in a]
+    return a.keys() == b.keys() and all(same)
+
+
+def same_run(a, b):
+    """Two checkpoints hold the same raw and the same EMA weights."""
+    raw = same_weights(a["train_model"], b["train_model"])
+    return raw and same_weights(a["model"], b["model"])
+
+
+def train_ok(argv):
+    assert train_small.main(argv) == 0
+
+
+def train_refused(capsys, argv, needle):
+    """train_small.py exits with 2 and ONE line 'error: ...' (progress bars aside) that says
+    `needle`, no traceback -> stderr."""
+    assert train_small.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.replace("\r", "\n").splitlines()
+    assert "Traceback" not in err, err
+    errors = [line for line in lines if line.startswith("error")]
+    assert len(errors) == 1 and needle in errors[0], err
+    others = [line for line in lines if line not in errors]
+    assert all("%|" in line or not line.strip() for line in others), err
+    return err
+
+
+EVERY_8 = ["--eval-every", "8", "--max-steps"]
+
+
 @pytest.fixture(scope="module")
-def run4(tmp_path_factory):
-    """run4/run: a 4-step run (validated at 4), its corpus and cache beside it; add runs there."""
+def train_dir(tmp_path_factory):
+    """A corpus and its row cache, shared by the runs of this module."""
     d = tmp_path_factory.mktemp("train")
     write_corpus(d / "corpus.txt")
-    assert train_small.main(run_argv(d, "run", "--max-steps", "4", "--eval-every", "4")) == 0
     return d
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_train_resume_and_a_signal_are_exact(tmp_path, monkeypatch, capsys, sig):
-    """A run cut at step 8 and resumed, and one stopped by Ctrl-C / SIGTERM in the middle of
-    step 5 and resumed, end with the weights of the uninterrupted run, bit for bit."""
-    write_corpus(tmp_path / "corpus.txt")
-    steps = ["--eval-every", "8", "--max-steps"]
-    assert train_small.main(run_argv(tmp_path, "straight", *steps, "16")) == 0
-    straight = tmp_path / "straight"
-    loss = [m["loss"] for m in logged(straight, "train")]
-    assert len(loss) == 4 and loss[-1] < loss[0] - 0.5  # it learns
+@pytest.fixture(scope="module")
+def run4(train_dir):
+    """A 4-step run, validated at 4 -> its folder."""
+    argv = run_argv(train_dir, "run", "--max-steps", "4", "--eval-every", "4")
+    train_ok(argv)
+    return train_dir / "run"
+
+
+@pytest.fixture(scope="module")
+def straight(train_dir):
+    """A 16-step run, validated at 8 and 16 -> its folder."""
+    train_ok(run_argv(train_dir, "straight", *EVERY_8, "16"))
+    return train_dir / "straight"
+
+
+def test_a_run_learns(straight):
+    loss = losses(straight)
+    assert len(loss) == 4
+    assert loss[-1] < loss[0] - 0.5
+
+
+def test_a_run_validates_every_eval_every_steps_on_its_bytes(straight):
     val = logged(straight, "val")
     assert [v["step"] for v in val] == [8, 16]
-    assert all(v["bytes"] == v["num_seqs"] * 30 for v in val)
-    assert train_small.main(run_argv(tmp_path, "split", *steps, "8")) == 0
-    capsys.readouterr()
-    assert train_small.main(resume_argv(tmp_path, "split", 16)) == 0
-    assert "; 1 threads" in capsys.readouterr().out  # the run's --threads 1, not the default
-    assert [m["loss"] for m in logged(tmp_path / "split", "train")] == loss  # no duplicates
+    assert all(v["bytes"] == v["num_seqs"] * 30 for v in val)  # L - 2 bytes a row
+
+
+def test_a_checkpoint_records_the_run(straight):
+    ref = ckpt_of(straight)
+    assert ref["step"] == 16
+    assert ref["tokens"] == 16 * 8 * 32
+    assert ref["args"]["n_layer"] == 1
+    assert ref["val_rows"]["bytes_per_token"] == 1.0
+
+
+def recorded_rows(val_rows, L):
+    """The validation rows a checkpoint records: uint16 (n, L) on disk."""
+    rows = np.memmap(val_rows["path"], np.uint16, "r")
+    return rows.reshape(-1, L)
+
+
+def test_a_checkpoint_points_at_its_validation_rows(straight):
+    val_rows = ckpt_of(straight)["val_rows"]
+    rows = recorded_rows(val_rows, 32)
+    assert len(rows) == val_rows["rows"]
+    assert (rows[:, 0] == BOS).all()
+
+
+def test_best_pt_holds_no_optimizer(straight):
+    assert "optimizer" not in ckpt_of(straight, "best.pt")
+
+
+@pytest.fixture(scope="module")
+def split_output(train_dir):
+    """Run "split": 8 steps, then resumed to 16 -> what the resumed run printed."""
+    train_ok(run_argv(train_dir, "split", *EVERY_8, "8"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_ok(resume_argv(train_dir, "split", 16))
+    return out.getvalue()
+
+
+def test_a_resumed_run_ends_with_the_uninterrupted_weights(train_dir, straight, split_output):
+    assert same_run(ckpt_of(straight), ckpt_of(train_dir / "split"))
+
+
+def test_a_resumed_run_keeps_its_threads(split_output):
+    assert "; 1 threads" in split_output  # the run's --threads 1, not the default
+
+
+def test_a_resumed_run_logs_each_step_once(train_dir, straight, split_output):
+    assert losses(train_dir / "split") == losses(straight)
+
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module", params=SIGNALS, ids=["INT", "TERM"])
+def stopped(request, train_dir):
+    """A 16-step run that a real signal hits in the middle of step 5 -> what it did."""
+    sig = request.param
     real = train_small.train_step
     sent = []
 
-    def signal_in_step_5(run, step):  # a real signal, in the middle of step 5
+    def signal_in_step_5(run, step):
         if step == 5 and not sent:
             sent.append(os.kill(os.getpid(), sig))
         return real(run, step)
 
-    monkeypatch.setattr(train_small, "train_step", signal_in_step_5)
     handler = signal.getsignal(sig)
-    capsys.readouterr()
-    assert train_small.main(run_argv(tmp_path, "cut", *steps, "16")) == 130
-    assert f"interrupted ({signal.Signals(sig).name}) at step 6" in capsys.readouterr().err
-    assert load_checkpoint(tmp_path / "cut" / "ckpt.pt")[2]["step"] == 6
-    monkeypatch.setattr(train_small, "train_step", real)
-    assert signal.getsignal(sig) == handler  # restored
-    assert train_small.main(resume_argv(tmp_path, "cut", 16)) == 0
-    ref = load_checkpoint(straight / "ckpt.pt")[2]
-    assert ref["step"] == 16 and ref["tokens"] == 16 * 8 * 32 and ref["args"]["n_layer"] == 1
-    assert ref["val_rows"]["bytes_per_token"] == 1.0
-    val_file = np.memmap(ref["val_rows"]["path"], np.uint16, "r").reshape(-1, 32)
-    assert len(val_file) == ref["val_rows"]["rows"] and (val_file[:, 0] == BYTES.bos_id).all()
-    for name in ("split", "cut"):
-        other = load_checkpoint(tmp_path / name / "ckpt.pt")[2]
-        assert same_weights(ref["train_model"], other["train_model"]), name  # raw weights
-        assert same_weights(ref["model"], other["model"]), name  # EMA weights
-    assert "optimizer" not in load_checkpoint(straight / "best.pt")[2]
+    out = train_dir / f"cut-{sig.name}"
+    argv = run_argv(train_dir, out.name, *EVERY_8, "16")
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
+        mp.setattr(train_small, "train_step", signal_in_step_5)
+        code = train_small.main(argv)
+    stopped = dict(sig=sig, code=code, out=out)
+    stopped["err"] = err.getvalue()
+    stopped["step"] = ckpt_of(out)["step"]
+    stopped["restored"] = signal.getsignal(sig) == handler
+    return stopped
 
 
-def test_init_from_a_checkpoint_compile_and_resume_refusals(run4, monkeypatch, capsys):
-    """--init-from: the source's config wins, a resumed fine-tune is exact; --compile: the same
-    weights. A copy of run4 resumed: a changed flag refused, records after the checkpoint and a cut
-    line dropped, a full disk keeps the last checkpoint; --force removes the old ones at once."""
-    src = load_checkpoint(run4 / "run" / "ckpt.pt")[2]
-    init = ["--init-from", str(run4 / "run" / "ckpt.pt"), "--eval-every", "4"]
-    # no shape flags: the cpu preset's 4 x 256 would apply, but the source's 1 x 32 wins
-    ft0 = run_argv(run4, "ft0", *init, "--max-steps", "1", "--lr", "0", shape=[])
-    assert train_small.main(ft0) == 0
-    ft = load_checkpoint(run4 / "ft0" / "ckpt.pt")[2]
-    assert ft["step"] == 1 and ft["config"] == src["config"] | {"dropout": 0.0}
+def test_a_signal_stops_the_run_after_its_step_with_exit_130(stopped):
+    assert stopped["code"] == 130
+    assert f"interrupted ({stopped['sig'].name}) at step 6" in stopped["err"]
+    assert stopped["step"] == 6
+
+
+def test_a_signal_handler_is_restored_after_the_run(stopped):
+    assert stopped["restored"]
+
+
+def test_a_run_stopped_by_a_signal_resumes_exactly(stopped, straight, train_dir):
+    argv = resume_argv(train_dir, stopped["out"].name, 16)
+    train_ok(argv)
+    assert same_run(ckpt_of(straight), ckpt_of(stopped["out"]))
+
+
+def init_argv(train_dir, run4, out, *extra, shape=()):
+    """A fine-tune of run4, validated every 4 steps; no shape flags unless given."""
+    init = ["--init-from", str(run4 / "ckpt.pt"), "--eval-every", "4"]
+    return run_argv(train_dir, out, *init, *extra, shape=list(shape))
+
+
+def test_init_from_takes_the_source_config_and_weights(train_dir, run4):
+    """No shape flags: the cpu preset's 4 x 256 would apply, but the source's 1 x 32 wins."""
+    src = ckpt_of(run4)
+    argv = init_argv(train_dir, run4, "ft0", "--max-steps", "1", "--lr", "0")
+    train_ok(argv)
+    ft = ckpt_of(train_dir / "ft0")
+    assert ft["step"] == 1
+    assert ft["config"] == src["config"] | {"dropout": 0.0}
     assert same_weights(ft["train_model"], src["model"])  # lr 0: the source's (EMA) weights
     assert same_weights(ft["model"], src["model"])  # and the EMA starts from them
-    one_step = [*init, "--max-steps", "1", "--n-layer"]
-    assert train_small.main(run_argv(run4, "ft1", *one_step, "1")) == 0
-    capsys.readouterr()
-    assert train_small.main(run_argv(run4, "ft2", *one_step, "2")) == 2
-    err = capsys.readouterr().err
-    assert_one_error_line(err, "--n-layer 2 disagrees with the --init-from model's 1")
-    assert train_small.main(run_argv(run4, "straight", *init, "--max-steps", "8", shape=[])) == 0
-    assert train_small.main(run_argv(run4, "half", *init, "--max-steps", "4", shape=[])) == 0
-    assert train_small.main(resume_argv(run4, "half", 8)) == 0
-    a = load_checkpoint(run4 / "straight" / "ckpt.pt")[2]
-    b = load_checkpoint(run4 / "half" / "ckpt.pt")[2]
-    assert a["step"] == b["step"] == 8 and not same_weights(a["train_model"], src["model"])
-    assert same_weights(a["train_model"], b["train_model"]) and same_weights(a["model"], b["model"])
-    # --compile (dynamo; the eager backend: inductor takes a minute on a CPU) gives run4's weights
-    compile_eagerly = mock.Mock(wraps=functools.partial(torch.compile, backend="eager"))
+
+
+def test_init_from_accepts_a_shape_flag_equal_to_the_source(train_dir, run4):
+    flags = ["--max-steps", "1", "--n-layer", "1"]
+    train_ok(init_argv(train_dir, run4, "ft1", *flags, shape=SHAPE))
+
+
+def test_init_from_refuses_a_shape_flag_that_disagrees(train_dir, run4, capsys):
+    flags = ["--max-steps", "1", "--n-layer", "2"]
+    argv = init_argv(train_dir, run4, "ft2", *flags, shape=SHAPE)
+    train_refused(capsys, argv, "--n-layer 2 disagrees with the --init-from model's 1")
+
+
+def test_a_resumed_fine_tune_equals_the_uninterrupted_one(train_dir, run4):
+    train_ok(init_argv(train_dir, run4, "ft8", "--max-steps", "8"))
+    train_ok(init_argv(train_dir, run4, "ft4", "--max-steps", "4"))
+    train_ok(resume_argv(train_dir, "ft4", 8))
+    a = ckpt_of(train_dir / "ft8")
+    b = ckpt_of(train_dir / "ft4")
+    assert a["step"] == b["step"] == 8
+    assert not same_weights(a["train_model"], ckpt_of(run4)["model"])  # it trained
+    assert same_run(a, b)
+
+
+def test_compile_compiles_the_loss_and_keeps_the_weights(train_dir, run4, monkeypatch):
+    """--compile with dynamo's eager backend (inductor takes a minute on a CPU)."""
+    eager = functools.partial(torch.compile, backend="eager")
+    compile_eagerly = mock.Mock(wraps=eager)
     monkeypatch.setattr(torch, "compile", compile_eagerly)
-    argv = run_argv(run4, "compiled", "--max-steps", "4", "--eval-every", "4", "--compile")
-    assert train_small.main(argv) == 0
-    compiled_modules = [type(call.args[0]).__name__ for call in compile_eagerly.call_args_list]
+    flags = ["--max-steps", "4", "--eval-every", "4", "--compile"]
+    train_ok(run_argv(train_dir, "compiled", *flags))
+    calls = compile_eagerly.call_args_list
+    compiled_modules = [type(call.args[0]).__name__ for call in calls]
     assert compiled_modules == ["TrainStep"]  # the loss, as DDP and compile see it
-    plain = load_checkpoint(run4 / "run" / "ckpt.pt")[2]["train_model"]
-    compiled = load_checkpoint(run4 / "compiled" / "ckpt.pt")[2]["train_model"]
-    assert all(torch.allclose(plain[k], compiled[k], atol=1e-6) for k in plain)
-    shutil.copytree(run4 / "run", run4 / "resumed")
-    out = run4 / "resumed"
-    capsys.readouterr()
-    assert train_small.main([*resume_argv(run4, "resumed", 8), "--n-layer", "2"]) == 2
-    assert_one_error_line(capsys.readouterr().err, "--n-layer 2 differs from the resumed run's 1")
+    plain = ckpt_of(run4)["train_model"]
+    compiled = ckpt_of(train_dir / "compiled")["train_model"]
+    close = [torch.allclose(plain[k], compiled[k], atol=1e-6) for k in plain]
+    assert all(close)
+
+
+def copy_of(run4, name):
+    """A copy of run4's folder beside it (its cache folder is the same)."""
+    return Path(shutil.copytree(run4, run4.parent / name))
+
+
+def test_resume_refuses_a_changed_flag(train_dir, run4, capsys):
+    copy_of(run4, "changed")
+    argv = [*resume_argv(train_dir, "changed", 8), "--n-layer", "2"]
+    train_refused(capsys, argv, "--n-layer 2 differs from the resumed run's 1")
+
+
+def test_resume_drops_log_records_after_the_checkpoint(train_dir, run4):
+    out = copy_of(run4, "late-records")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "kind": "train"}\n{"step": 1')  # after the checkpoint; cut off
-    assert train_small.main([*resume_argv(run4, "resumed", 6), "--log-every", "2"]) == 0
+    argv = [*resume_argv(train_dir, "late-records", 6), "--log-every", "2"]
+    train_ok(argv)
     assert [m["step"] for m in logged(out, "train")] == [4, 6]
+
+
+def test_a_full_disk_keeps_the_last_checkpoint(train_dir, run4, monkeypatch, capsys):
+    out = copy_of(run4, "full-disk")
     before = (out / "ckpt.pt").read_bytes()
-    capsys.readouterr()
-    with monkeypatch.context() as mp:
-        mp.setattr(torch, "save", full_disk)
-        assert train_small.main(resume_argv(run4, "resumed", 8)) == 2
-    assert_one_error_line(capsys.readouterr().err, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    argv = resume_argv(train_dir, "full-disk", 8)
+    train_refused(capsys, argv, "No space left on device")
     assert (out / "ckpt.pt").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+
+
+def test_force_removes_the_old_checkpoints_at_once(train_dir, run4, monkeypatch):
+    out = copy_of(run4, "forced")
     broken_step = mock.Mock(side_effect=OSError("the disk went away"))
     monkeypatch.setattr(train_small, "train_step", broken_step)
-    assert train_small.main(run_argv(run4, "resumed", "--max-steps", "4", "--force")) == 2
-    assert broken_step.called and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    argv = run_argv(train_dir, "forced", "--max-steps", "4", "--force")
+    assert train_small.main(argv) == 2
+    assert broken_step.called
+    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
     assert (out / "metrics.jsonl").read_text() == ""
 
 
-def test_init_from_a_released_folder_lm1b_presets_and_bench(tmp_path, capsys):
+@pytest.mark.parametrize("preset", ["lm1b", "lm1b-small"])
+def test_the_lm1b_presets_validate_on_held_out_training_lines(preset):
     """The bug: the recipe validated on heldout-00000, the shard then reported as the test
-    score. Now the presets hold out training lines, and nothing points at a heldout shard."""
-    for preset in ("lm1b", "lm1b-small"):
-        args, _ = train_small.parse_args(["--preset", preset, "--tokenizer", "vocab.txt"])
-        assert 0 < args.val_fraction <= 0.001
+    score. The presets hold out training lines instead."""
+    args, _ = train_small.parse_args(["--preset", preset, "--tokenizer", "vocab.txt"])
+    assert 0 < args.val_fraction <= 0.001
+
+
+def test_no_flag_or_doc_points_at_a_heldout_shard():
     texts = train_small.build_parser().format_help() + train_small.__doc__
-    assert "--val-data" not in texts and "heldout-00000" not in texts
+    assert "--val-data" not in texts
+    assert "heldout-00000" not in texts
+
+
+AUTHORS_NAMES = {  # setdiff's weight names -> the authors'
+    "tok_emb.weight": "vocab_embed.embedding",
+    ".ln1.": ".norm1.",
+    ".ln2.": ".norm2.",
+    ".attn.qkv.": ".attn_qkv.",
+    ".attn.proj.": ".attn_out.",
+    "ln_f.": "output_layer.norm_final.",
+    "head.": "output_layer.linear.",
+}
+
+
+def write_released(folder, model, vocab):
+    """A released folder of `model`: config.json, vocab.txt, the authors' weight names by hand."""
+    cfg = model.cfg
+    folder.mkdir()
+    write_vocab(folder / "vocab.txt", vocab)
+    shape = (cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_head, cfg.n_layer, cfg.set_size)
+    spec = authors_config(*shape, cfg.mask_id)
+    (folder / "config.json").write_text(json.dumps(spec))
+    state = {}
+    for name, tensor in model.state_dict().items():
+        for ours, theirs in AUTHORS_NAMES.items():
+            name = name.replace(ours, theirs)
+        state["backbone." + name] = tensor
+    torch.save(state, folder / "pytorch_model.bin")
+    return folder
+
+
+LM1B_LINES = [f"the {w} sat on a {v} ." for w in WORDS[:5] for v in WORDS[8:] for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def released_ft(tmp_path_factory):
+    """A fine-tune (1 step, lr 0) of a released folder on LM1B_LINES -> (its folder, model)."""
+    d = tmp_path_factory.mktemp("released")
     specials = dict(mask_id=4, bos_id=2, eos_id=2, pad_id=0)  # [MASK]; [CLS] twice; [PAD]
-    model = tiny_model(1, vocab_size=len(VOCAB), seq_len=16, n_layer=1, set_size=4, **specials)
-    folder = write_released(tmp_path / "lm1b-setdlm-tiny", model, VOCAB)
-    (tmp_path / "corpus.txt").write_text("\n".join(LM1B_LINES) + "\n")
-    flags = ["--init-from", str(folder), "--max-steps", "1", "--lr", "0", "--val-fraction", "0.3"]
-    assert train_small.main(run_argv(tmp_path, "ft", *flags, shape=[])) == 0
-    ft = load_checkpoint(tmp_path / "ft" / "ckpt.pt")[2]
-    want = Config(**(setdiff.asdict(model.cfg) | dict(max_set_size=8)))
-    assert Config(**ft["config"]) == want  # s = min(2d, L) = 8, although config.json says L
+    shape = dict(seq_len=16, n_layer=1, set_size=4)
+    model = tiny_model(1, vocab_size=len(VOCAB), **shape, **specials)
+    folder = write_released(d / "lm1b-setdlm-tiny", model, VOCAB)
+    write_lines(d / "corpus.txt", LM1B_LINES)
+    flags = ["--init-from", str(folder), "--max-steps", "1", "--lr", "0"]
+    argv = run_argv(d, "ft", *flags, "--val-fraction", "0.3", shape=[])
+    train_ok(argv)
+    return d, model
+
+
+def test_init_from_a_released_folder_sets_s_to_min_2d_l(released_ft):
+    d, model = released_ft
+    want = setdiff.asdict(model.cfg) | dict(max_set_size=8)  # although config.json says L
+    assert ckpt_of(d / "ft")["config"] == want
+
+
+def test_init_from_a_released_folder_takes_its_weights_and_vocab(released_ft):
+    d, model = released_ft
+    ft = ckpt_of(d / "ft")
     assert same_weights(ft["train_model"], model.state_dict())
     assert Tokenizer.from_spec(ft["tokenizer"]).pieces == VOCAB
-    rows = np.memmap(ft["val_rows"]["path"], np.uint16, "r").reshape(-1, 16)
-    assert (rows[:, 0] == 2).all() and (rows[:, -1] == 2).all()  # [CLS]
-    meta = json.loads(next((tmp_path / "cache").glob("rows-*/meta.json")).read_text())
-    val_lines = [x for x in LM1B_LINES if side(x.encode(), 0.3) == "val"]
-    assert meta["splits"]["val"]["lines"] == len(val_lines) > 0  # validation: training lines
-    # --bench prints the table; its AR baseline loss is the prefix-by-prefix loss
-    argv = ["--bench", *SHAPE, "--batch-size", "8", "--bench-steps", "1", "--bench-repeats", "1"]
-    assert train_small.main([*argv, "--threads", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and "x |" in line]
-    assert [r[0].strip() for r in rows] == ["float32", "float32", "bfloat16", "bfloat16"]
-    for set_row, ar_row in (rows[0:2], rows[2:4]):
-        ms_set, ms_ar = float(set_row[2]), float(ar_row[2])  # printed to 0.1 ms, the ratio to 0.01
-        tol = 0.006 + 0.05 * (1 / ms_set + 1 / ms_ar) * ms_set / ms_ar
-        assert float(set_row[4].strip()[:-1]) == pytest.approx(ms_set / ms_ar, abs=tol)
-    model = tiny_model(seq_len=10)  # the AR baseline is a true causal LM: each prefix alone
-    x = random_rows(model.cfg, 2)
-    nll = []
-    for b in range(2):
-        for i in range(9):
-            causal = torch.ones(i + 1, i + 1, dtype=torch.bool).tril()[None]
-            h = model.run(x[b : b + 1, : i + 1], torch.arange(i + 1)[None], causal)
-            nll.append(-torch.log_softmax(model.logits(h)[0, -1], -1)[x[b, i + 1]])
-    assert torch.allclose(train_small.ar_loss(model, x), torch.stack(nll).mean(), atol=1e-5)
 
 
-TRAIN_BAD_INPUT = [  # (flags, what the one error line says)
-    (["--data", "nope.txt"], "nope.txt: no such file"),
-    (["--data", "cache"], "cache: no such file"),  # a folder
-    (["--data", "nope-*.txt"], "nope-*.txt: no such file"),  # a glob that matches nothing
-    (["--data", "corpus.txt", "empty.txt"], "is empty"),
-    (["--data", "blob.bin"], "not look like text"),
-    (["--data", "small.txt"], "needs 30"),
-    (["--tokenizer", "vocab.txt"], "not a BERT uncased model's vocab.txt"),
-    (["--tokenizer", "none.txt"], "--tokenizer: none.txt does not exist"),
-    (["--tokenizer", "vocab.json"], "needs merges.txt beside it"),
-    (["--init-from", "none.pt"], "--init-from: checkpoint"),
-    (["--no-such"], "unrecognized"),
-    (["--resume", "--out", "elsewhere"], "--resume: no checkpoint"),
-    (["--set-size", "99"], "set size d must be in [1, L=32], got 99 (set by --seq-len"),
-    (["--max-set-size", "2"], "got 2 (set by --seq-len, --n-layer, --n-head, --d-model, --order"),
-    (["--d-model", "33"], "d_model must be a multiple of n_head (set by"),
-    (["--eval-every", "0"], "--eval-every must be at least 1"),
-    (["--val-fraction", "1.5"], "--val-fraction"),
-    (["--device", "nonsense"], "--device 'nonsense'"),
-    (["--no-force"], "already holds a run"),
-]
+def test_a_fine_tune_validates_on_held_out_training_lines(released_ft):
+    d, _ = released_ft
+    val_rows = ckpt_of(d / "ft")["val_rows"]
+    rows = recorded_rows(val_rows, 16)
+    assert (rows[:, 0] == 2).all()  # [CLS]
+    assert (rows[:, -1] == 2).all()
+    val_lines = sides(LM1B_LINES, 0.3).count("val")
+    assert rows_meta(d / "cache")["splits"]["val"]["lines"] == val_lines > 0
 
 
-@pytest.mark.parametrize("flags,needle", TRAIN_BAD_INPUT)
-def test_train_bad_input_one_line_exit_2(tmp_path, monkeypatch, capsys, flags, needle):
+SET_BY = "got 2 (set by --seq-len, --n-layer, --n-head, --d-model, --order"
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, monkeypatch):
+    """Files to name wrongly, and an older run in run/ -> the arguments of a run here."""
     monkeypatch.chdir(write_corpus(tmp_path / "corpus.txt").parent)
     (tmp_path / "empty.txt").write_text("\n  \n")
-    blob = bytes(random.Random(0).randrange(128, 256) for _ in range(5000))
+    rng = random.Random(0)
+    blob = bytes(rng.randrange(128, 256) for _ in range(5000))
     (tmp_path / "blob.bin").write_bytes(blob)
     (tmp_path / "small.txt").write_text("Only a few words.\n")
     (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n")
@@ -1432,19 +2654,61 @@ def test_train_bad_input_one_line_exit_2(tmp_path, monkeypatch, capsys, flags, n
     (tmp_path / "cache").mkdir()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "ckpt.pt").write_bytes(b"an older run")
-    force = [] if flags == ["--no-force"] else ["--force"]
-    argv = ["--data", "corpus.txt", "--cache-dir", "cache", "--out", "run", *SHAPE, *TRAIN]
-    argv += ["--max-steps", "2", *force, *[f for f in flags if f != "--no-force"]]
-    assert train_small.main(argv) == 2
-    assert_one_error_line(capsys.readouterr().err, needle)
-    assert sorted(os.listdir(tmp_path / "run")) == ["ckpt.pt"]
-    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == b"an older run"
+    data = ["--data", "corpus.txt", "--cache-dir", "cache", "--out", "run"]
+    return [*data, *SHAPE, *TRAIN, "--max-steps", "2"]
 
 
-def test_out_checked_first_data_glob_threads_and_torchrun(tmp_path, monkeypatch, capsys):
-    """--out is checked before the data work; --data 'part-*.txt' reads its files sorted;
-    --threads sets the count, else the cores less the load elsewhere, printed with the reason."""
-    corpus = write_corpus(tmp_path / "corpus.txt").read_text().splitlines(keepends=True)
+def assert_the_older_run_is_kept():
+    assert os.listdir("run") == ["ckpt.pt"]
+    assert Path("run/ckpt.pt").read_bytes() == b"an older run"
+
+
+@table(
+    "flags,needle",
+    {  # flags -> what the one error line says
+        "missing-data": (["--data", "nope.txt"], "nope.txt: no such file"),
+        "data-folder": (["--data", "cache"], "cache: no such file"),
+        "empty-glob": (["--data", "nope-*.txt"], "nope-*.txt: no such file"),
+        "empty-file": (["--data", "corpus.txt", "empty.txt"], "is empty"),
+        "binary": (["--data", "blob.bin"], "not look like text"),
+        "too-little-text": (["--data", "small.txt"], "too few for a row of --seq-len 32"),
+        "not-bert-vocab": (["--tokenizer", "vocab.txt"], "not a BERT uncased model's vocab.txt"),
+        "missing-vocab": (["--tokenizer", "none.txt"], "--tokenizer: none.txt does not exist"),
+        "no-merges": (["--tokenizer", "vocab.json"], "needs merges.txt beside it"),
+        "missing-init": (["--init-from", "none.pt"], "--init-from: checkpoint"),
+        "unknown-flag": (["--no-such"], "unrecognized"),
+        "nothing-to-resume": (["--resume", "--out", "elsewhere"], "--resume: no checkpoint"),
+        "set-size": (
+            ["--set-size", "99"],
+            "set size d must be in [1, L=32], got 99 (set by --seq-len",
+        ),
+        "max-set-size": (["--max-set-size", "2"], SET_BY),
+        "d-model": (["--d-model", "33"], "d_model must be a multiple of n_head (set by"),
+        "eval-every": (["--eval-every", "0"], "--eval-every: must be at least 1"),
+        "val-fraction": (["--val-fraction", "1.5"], "--val-fraction"),
+        "device": (["--device", "nonsense"], "--device 'nonsense'"),
+    },
+)
+def test_train_bad_input_is_one_line_and_exit_2(bad_inputs, capsys, flags, needle):
+    train_refused(capsys, [*bad_inputs, "--force", *flags], needle)
+    assert_the_older_run_is_kept()
+
+
+def test_a_new_run_refuses_an_out_that_holds_a_run(bad_inputs, capsys):
+    train_refused(capsys, bad_inputs, "already holds a run")
+    assert_the_older_run_is_kept()
+
+
+@table(
+    "out,needle",
+    {
+        "a-file": ("file", "is a file"),
+        "under-a-file": ("file/run", "is a file"),
+        "read-only": ("locked/run", "not writable"),
+    },
+)
+def test_a_bad_out_is_refused_before_the_data_work(tmp_path, monkeypatch, capsys, out, needle):
+    write_corpus(tmp_path / "corpus.txt")
     (tmp_path / "file").write_text("not a folder")
     (tmp_path / "locked").mkdir()
     real_access = os.access
@@ -1453,50 +2717,130 @@ def test_out_checked_first_data_glob_threads_and_torchrun(tmp_path, monkeypatch,
         return Path(path).name != "locked" and real_access(path, mode)
 
     monkeypatch.setattr(os, "access", access)
-    cases = [("file", "is a file"), ("file/run", "is a file"), ("locked/run", "not writable")]
-    for out, needle in cases:
-        assert train_small.main(run_argv(tmp_path, out, "--max-steps", "1")) == 2
-        err = capsys.readouterr().err
-        assert_one_error_line(err, f"--out {tmp_path / out}")
-        assert needle in err
+    argv = run_argv(tmp_path, out, "--max-steps", "1")
+    err = train_refused(capsys, argv, f"--out {tmp_path / out}")
+    assert needle in err
     assert not (tmp_path / "cache").exists()  # no data work was done
     assert list((tmp_path / "locked").iterdir()) == []
+
+
+def test_a_data_glob_reads_its_files_sorted(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt").read_text().splitlines(keepends=True)
     (tmp_path / "part-2.txt").write_text("".join(corpus[300:]))
     (tmp_path / "part-1.txt").write_text("".join(corpus[:300]))
-    glob_argv = run_argv(tmp_path, "glob", "--max-steps", "1")
-    glob_argv[1] = str(tmp_path / "part-*.txt")  # quoted: the glob itself, not the shell's
-    capsys.readouterr()
-    assert train_small.main(glob_argv[: glob_argv.index("--threads")]) == 0  # TRAIN ends with it
+    argv = run_argv(tmp_path, "glob", "--max-steps", "1")
+    argv[1] = str(tmp_path / "part-*.txt")  # quoted: the glob itself, not the shell's
+    train_ok(argv)
+    assert ckpt_of(tmp_path / "glob")["args"]["data"] == argv[1:2]
+    sources = rows_meta(tmp_path / "cache")["sources"]
+    names = [Path(source["path"]).name for source in sources]
+    assert names == ["part-1.txt", "part-2.txt"]
+
+
+def test_threads_default_to_the_idle_cores_with_the_reason(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    argv = run_argv(tmp_path, "run", "--max-steps", "1", train=TRAIN[:-2])  # no --threads
+    train_ok(argv)
     out = capsys.readouterr().out
     found = re.search(r"; (\d+) threads \((\d+) cores, load (\d+) elsewhere", out)
-    assert found and int(found[2]) == os.cpu_count()
-    auto = max(1, min(os.cpu_count(), int(found[2]) - int(found[3])))
-    assert int(found[1]) == torch.get_num_threads() == auto
-    assert load_checkpoint(tmp_path / "glob" / "ckpt.pt")[2]["args"]["data"] == glob_argv[1:2]
-    meta = json.loads(next((tmp_path / "cache").glob("rows-*/meta.json")).read_text())
-    assert [Path(source["path"]).name for source in meta["sources"]] == ["part-1.txt", "part-2.txt"]
-    argv = run_argv(tmp_path, "threads", "--max-steps", "1", "--threads", "2")
-    assert train_small.main(argv) == 0
+    threads, cores, load = map(int, found.groups())
+    assert cores == os.cpu_count()
+    auto = max(1, cores - load)
+    assert threads == torch.get_num_threads() == auto
+
+
+def test_threads_flag_sets_the_count(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt")
+    argv = run_argv(tmp_path, "run", "--max-steps", "1", "--threads", "2")
+    train_ok(argv)
     assert "; 2 threads (requested with --threads)" in capsys.readouterr().out
     assert torch.get_num_threads() == 2
-    # torchrun: two gloo processes match one process (corpus.txt as written above)
-    common = ["--global-batch", "8", "--max-steps", "6", "--eval-every", "6", "--log-every", "1"]
+
+
+def test_torchrun_two_processes_match_one(tmp_path):
+    """Two gloo processes, 4 rows each, train as one process on 8 rows."""
+    write_corpus(tmp_path / "corpus.txt")
+    steps = ["--max-steps", "6", "--eval-every", "6", "--log-every", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = python("train_small.py", *run_argv(tmp_path, "one", *common), env=env)
+    one_argv = run_argv(tmp_path, "one", "--global-batch", "8", *steps)
+    one = python("train_small.py", *one_argv, env=env)
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    two = python(*torchrun, "train_small.py", *run_argv(tmp_path, "two", *common), env=env)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    two_argv = run_argv(tmp_path, "two", "--global-batch", "8", *steps)
+    two = python(*torchrun, "train_small.py", *two_argv, env=env)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
     assert "4 per forward x 1 accumulation x 2 proc" in two.stdout
     assert two.stdout.count("done:") == 1
-    loss_one = [m["loss"] for m in logged(tmp_path / "one", "train")]
-    loss_two = [m["loss"] for m in logged(tmp_path / "two", "train")]
-    np.testing.assert_allclose(loss_two, loss_one, rtol=1e-4)
-    w1, w2 = (load_checkpoint(tmp_path / o / "ckpt.pt")[2]["train_model"] for o in ("one", "two"))
-    assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+    one_loss = losses(tmp_path / "one")
+    two_loss = losses(tmp_path / "two")
+    np.testing.assert_allclose(two_loss, one_loss, rtol=1e-4)
+    w1 = ckpt_of(tmp_path / "one")["train_model"]
+    w2 = ckpt_of(tmp_path / "two")["train_model"]
+    close = [torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1]
+    assert all(close)
 
 
-# ---------------------------------------------------------------------------- sample.py
-L, LETTERS = 24, "abcdefghijklmnopqrstuvwxyz"  # L: tiny_cfg's seq_len
+# ---- experiments/train_bench.py ------------------------------------------------------------
+# experiments/*.py as modules, the way the tests call their functions (frontier.py imports bench)
+sys.path.insert(0, str(ROOT / "experiments"))
+bench = importlib.import_module("bench")
+compare = importlib.import_module("compare")
+frontier = importlib.import_module("frontier")
+infill = importlib.import_module("infill")
+order_stats = importlib.import_module("order_stats")
+plot = importlib.import_module("plot")
+train_bench = importlib.import_module("train_bench")
+
+
+@pytest.fixture(scope="module")
+def bench_table():
+    """train_bench.py's table for a 1-layer model, one timed step a run, one run -> its rows
+    [dtype, variant, ms, tokens/s, vs AR]."""
+    argv = [*SHAPE[:6], "--batch-size", "8", "--threads", "1"]  # no --seq-len
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(train_bench, "STEPS", 1)
+        mp.setattr(train_bench, "REPEATS", 1)
+        assert train_bench.main(argv) == 0
+    lines = out.getvalue().splitlines()
+    rows = [line for line in lines if line.startswith("| ") and "x |" in line]
+    return [row.split("|")[1:-1] for row in rows]
+
+
+def test_train_bench_times_each_variant_in_float32_and_bfloat16(bench_table):
+    dtypes = [row[0].strip() for row in bench_table]
+    assert dtypes == ["float32", "float32", "bfloat16", "bfloat16"]
+
+
+def test_train_bench_ratio_is_the_set_diffusion_time_over_ar(bench_table):
+    for set_row, ar_row in (bench_table[0:2], bench_table[2:4]):
+        ms_set = float(set_row[2])  # printed to 0.1 ms, the ratio to 0.01
+        ms_ar = float(ar_row[2])
+        rounding = 0.05 * (1 / ms_set + 1 / ms_ar)  # 0.05 ms in either time
+        tol = 0.006 + rounding * ms_set / ms_ar
+        ratio = float(set_row[4].strip()[:-1])
+        assert ratio == pytest.approx(ms_set / ms_ar, abs=tol)
+
+
+def test_train_bench_ar_baseline_is_the_prefix_by_prefix_loss():
+    """The AR baseline is a true causal LM: each prefix alone predicts its next token."""
+    model = tiny_model(seq_len=10)
+    x = random_rows(model.cfg, 2)
+    nll = []
+    for b in range(2):
+        for i in range(1, 10):
+            causal = torch.ones(i, i, dtype=torch.bool).tril()[None]
+            positions = torch.arange(i)[None]
+            logits = model(x[b : b + 1, :i], positions, causal, queries=1)
+            logp = torch.log_softmax(logits[0, -1], -1)
+            nll.append(-logp[x[b, i]])
+    want = torch.stack(nll).mean()
+    assert torch.allclose(train_bench.ar_loss(model, x), want, atol=1e-5)
+
+
+# ---- sample.py -----------------------------------------------------------------------------
+L = 24  # tiny_cfg's seq_len
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 VAL_TEXT = [f"the {w} sat on a mat." for w in ("cat", "dog", "fox", "owl", "hen", "ram")] * 3
 VAL_TEXT += ["the end."]  # 18 lines fill 18 rows (L - 2 = 22 tokens a line): this one does not
 
@@ -1505,50 +2849,73 @@ def letters_model(order="staggered", eos_first=False, **kw):
     """A tiny_model (d=3, s=6) writing lowercase letters only, so given and generated text differ:
     head bias +10 for letters, -10 else (eos_first: +30 for EOS), beyond the +-3 of its weights."""
     model = tiny_model(order=order, **kw)
-    bias = torch.tensor([10.0 if chr(i) in LETTERS else -10.0 for i in range(model.cfg.vocab_size)])
+    V = model.cfg.vocab_size
+    letter = torch.tensor([chr(i) in LETTERS for i in range(V)])
+    bias = torch.where(letter, 10.0, -10.0)
     if eos_first:
-        bias[BYTES.eos_id] = 30.0
+        bias[EOS] = 30.0
     with torch.no_grad():
         for m in model.modules():  # a wide init: predictions depend on the context
             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-                torch.nn.init.normal_(m.weight, std=3 / m.weight.shape[1] ** 0.5)
+                std = 3 / m.weight.shape[1] ** 0.5
+                torch.nn.init.normal_(m.weight, std=std)
         torch.nn.init.normal_(model.head.weight, std=0.5)
         model.head.bias.copy_(bias)
     return model
 
 
-def wrapped_by_hand(stream: list, bos, eos, pad=None) -> tuple:
+def wrapped_by_hand(stream, bos, eos, pad=None):
     """Rows of L from a token stream: [BOS] + L-2 tokens + [EOS] (no BOS: L tokens); the rest in
     a last row padded with PAD where a PAD is given. -> (rows (n, L), tokens left over)."""
-    start, end = ([], []) if bos is None else ([bos], [eos])
+    start = [] if bos is None else [bos]
+    end = [] if bos is None else [eos]
     body = L - len(start) - len(end)
-    rows = [start + stream[k : k + body] + end for k in range(0, len(stream) - body + 1, body)]
+    starts = range(0, len(stream) - body + 1, body)
+    rows = [start + stream[k : k + body] + end for k in starts]
     rest = stream[len(rows) * body :]
     if rest and pad is not None:
-        rows.append(start + rest + [pad] * (L - len(start) - len(rest)))
+        padding = [pad] * (L - len(start) - len(rest))
+        rows.append(start + rest + padding)
         rest = []
     return torch.tensor(rows), rest
+
+
+def write_val_bin(d):
+    """13 rows by hand: [BOS] + 22 letters + [EOS] -> what train_small.py records of them."""
+    letters = np.arange(13 * (L - 2)) % 26 + ord("a")
+    rows = np.empty((13, L), np.uint16)
+    rows[:, 0] = BOS
+    rows[:, 1:-1] = letters.reshape(13, L - 2)
+    rows[:, -1] = EOS
+    rows.tofile(d / "val.bin")
+    return {"path": str(d / "val.bin"), "rows": 13, "bytes_per_token": 1.0}
+
+
+def val_rows_of(ckpts, n):
+    """The first n rows of val.bin."""
+    ids = np.fromfile(ckpts / "val.bin", dtype=np.uint16).astype(np.int64)
+    return torch.from_numpy(ids).view(-1, L)[:n]
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """Checkpoints as train_small.py writes them (step, val_rows), and text files to score."""
     d = tmp_path_factory.mktemp("sample")
-    (d / "val.txt").write_text("\n".join(VAL_TEXT) + "\n")
+    write_lines(d / "val.txt", VAL_TEXT)
     (d / "short.txt").write_text("hello\n")
     (d / "empty.txt").write_text("")
     (d / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 abc\n\x80\x80\xc3\n")
-    stream = (np.arange(13 * (L - 2)) % 26 + ord("a")).reshape(13, L - 2)  # 13 rows by hand
-    rows = [np.full((13, 1), BYTES.bos_id), stream, np.full((13, 1), BYTES.eos_id)]
-    np.concatenate(rows, 1).astype(np.uint16).tofile(d / "val.bin")
-    val = {"path": str(d / "val.bin"), "rows": 13, "bytes_per_token": 1.0}
-    other = {**val, "path": str(d / "val.txt")}  # other data than the judge's
+    val = write_val_bin(d)
+    other = val | {"path": str(d / "val.txt")}  # other data than the judge's
     (d / "copy").mkdir()  # the judge's rows in another cache folder: the same data
-    (d / "copy" / "val.bin").write_bytes((d / "val.bin").read_bytes())
-    copy = {**val, "path": str(d / "copy" / "val.bin")}
-    runs = dict(st=val, ar=val, eos=val, gone={**val, "path": "-"}, other=other, copy=copy)
+    shutil.copy(d / "val.bin", d / "copy" / "val.bin")
+    copy = val | {"path": str(d / "copy" / "val.bin")}
+    gone = val | {"path": "-"}
+    runs = dict(st=val, ar=val, eos=val, gone=gone)
+    runs |= dict(other=other, copy=copy)
     for name, rows in runs.items():
-        model = letters_model("ar" if name == "ar" else "staggered", eos_first=name == "eos")
+        order = "ar" if name == "ar" else "staggered"
+        model = letters_model(order, eos_first=name == "eos")
         setdiff.save_checkpoint(d / f"{name}.pt", model, BYTES, step=7, val_rows=rows)
     setdiff.save_checkpoint(d / "noval.pt", letters_model(), BYTES)
     owt = letters_model(bos_id=None, pad_id=None)
@@ -1560,7 +2927,7 @@ def ckpts(tmp_path_factory):
     return d
 
 
-def run_sample(capsys, *argv) -> tuple:
+def run_sample(capsys, *argv):
     try:
         code = sample.main([str(a) for a in argv])
     except SystemExit as e:  # argparse errors
@@ -1568,428 +2935,747 @@ def run_sample(capsys, *argv) -> tuple:
     return (code, *capsys.readouterr())
 
 
-def sample_ok(capsys, *argv) -> str:
+def sample_ok(capsys, *argv):
     code, out, err = run_sample(capsys, *argv)
     assert code == 0 and "error" not in err and "Traceback" not in err, err
     return out
 
 
-def samples_of(out: str) -> list:  # [(header, text)] of every '--- sample i/n: ...' (one line)
+def samples_of(out):
+    """[(header, text)] of every '--- sample i/n: ...' header and its (one) line."""
     lines = out.splitlines()
-    return [(line, lines[i + 1]) for i, line in enumerate(lines) if line.startswith("--- sample ")]
+    starts = [i for i, line in enumerate(lines) if line.startswith("--- sample ")]
+    return [(lines[i], lines[i + 1]) for i in starts]
 
 
-def calls_of(header: str) -> int:
-    return int(re.search(r": (\d+) network calls, [\d.]+ tokens/call, [\d,]+ tokens/s$", header)[1])
+def texts_of(out):
+    return [text for _, text in samples_of(out)]
+
+
+def calls_of(header):
+    found = re.search(r": (\d+) calls, [\d.]+ tokens/call, [\d,]+ tokens/s$", header)
+    return int(found[1])
 
 
 def test_sampling_defaults_of_the_library_and_the_script_agree():
     """The same distribution by default: the model's own (top-p 1, temperature 1), not 0.9."""
-    library = {k: p.default for k, p in inspect.signature(generate).parameters.items()}
-    script = sample.build_parser().parse_args([])
-    assert library["top_p"] == script.top_p == 1.0 and library["temperature"] == script.temperature
+    params = inspect.signature(generate).parameters
+    script = sample.build_parser().parse_args(["--ckpt", "x"])
+    assert params["top_p"].default == script.top_p == 1.0
+    assert params["temperature"].default == script.temperature
 
 
-def test_sample_prompt_infill_bounded_batches_and_ctrl_c(ckpts, capsys, monkeypatch):
-    def interrupted(*args, **kw):  # Ctrl-C while sampling: the signal itself, not a stand-in
-        signal.raise_signal(signal.SIGINT)
+def test_samples_are_printed_with_the_device_and_their_calls(ckpts, capsys):
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
+    device = r"^device: cpu \(.*\); float32 \(.*\); \d+ threads \(.*\)$"
+    assert re.search(device, out, re.M)
+    headers = [h[:15] for h, _ in samples_of(out)]
+    assert headers == [f"--- sample {i}/3:" for i in (1, 2, 3)]
+    texts = [t for h, t in samples_of(out) if calls_of(h) > 0]
+    assert all(re.fullmatch(f"[a-z]{{{L - 1}}}", t) for t in texts)
+    assert len(set(texts)) == 3
 
+
+def test_seed_fixes_the_samples(ckpts, capsys):
     args = ("--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
-    out = sample_ok(capsys, *args)
-    assert re.search(r"^device: cpu \(.*\); float32 \(.*\); \d+ threads \(.*\)$", out, re.M)
-    found = [t for h, t in samples_of(out) if calls_of(h) > 0]
-    assert [h[:15] for h, _ in samples_of(out)] == [f"--- sample {i}/3:" for i in (1, 2, 3)]
-    assert all(re.fullmatch(f"[a-z]{{{L - 1}}}", t) for t in found) and len(set(found)) == 3
-    assert [t for _, t in samples_of(sample_ok(capsys, *args))] == found  # --seed
-    assert [t for _, t in samples_of(sample_ok(capsys, *args, "--seed", 1))] != found
-    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", "--prompt", "Hi, you", "--max-new-tokens", 9)
+    first = texts_of(sample_ok(capsys, *args))
+    assert texts_of(sample_ok(capsys, *args)) == first
+    assert texts_of(sample_ok(capsys, *args, "--seed", 1)) != first
+
+
+def test_a_prompt_is_continued_one_token_a_call(ckpts, capsys):
+    args = ("--prompt", "Hi, you", "--max-new-tokens", 9)
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args)
     ((header, text),) = samples_of(out)
-    assert re.fullmatch(r"Hi, you[a-z]{9}", text) and calls_of(header) == 9  # tau > 1: one a call
-    cases = [  # --infill fills only the holes
-        ("A [MASK]. B [MASK][MASK]!", r"A [a-z]\. B [a-z]{2}!"),
-        ("X ___ Y", r"X [a-z]{3} Y"),
-        ("___5 Z ___2", r"[a-z]{5} Z [a-z]{2}"),
-    ]
-    for template, pattern in cases:
-        args = ("--infill", template, "--span-len", 3, "--threshold", 0.5, "--num-samples", 2)
-        texts = [t for _, t in samples_of(sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args))]
-        assert len(texts) == 2 and all(re.fullmatch(pattern, t) for t in texts), texts
-    # more samples than --batch-size: the batches drawn by hand from one generator, in turn
-    argv = ("--ckpt", ckpts / "st.pt", "--num-samples", 5, "--batch-size", 2, "--top-p", 0.9)
-    out = sample_ok(capsys, *argv)
-    g = torch.Generator().manual_seed(0)
+    assert re.fullmatch(r"Hi, you[a-z]{9}", text)
+    assert calls_of(header) == 9  # tau > 1: one token a call
+
+
+@table(
+    "template,pattern",
+    {
+        "mask-tokens": ("A [MASK]. B [MASK][MASK]!", r"A [a-z]\. B [a-z]{2}!"),
+        "bare-span": ("X ___ Y", r"X [a-z]{3} Y"),  # --span-len 3
+        "sized-spans": ("___5 Z ___2", r"[a-z]{5} Z [a-z]{2}"),
+    },
+)
+def test_infill_fills_only_the_holes(ckpts, capsys, template, pattern):
+    args = ("--infill", template, "--span-len", 3, "--threshold", 0.5, "--num-samples", 2)
+    texts = texts_of(sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args))
+    assert len(texts) == 2
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+
+
+def test_batches_are_drawn_in_turn_from_one_generator(ckpts, capsys):
+    """More samples than --batch-size: the batches drawn by hand from one generator."""
+    args = ("--num-samples", 5, "--batch-size", 2, "--top-p", 0.9)
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args)
+    g = gen(0)
     by_hand = []
     for B in (2, 2, 1):
-        rows = generate(letters_model(), batch_size=B, window=3, top_p=0.9, generator=g).tokens
-        by_hand += [BYTES.decode(row) for row in rows]
-    assert [t for _, t in samples_of(out)] == by_hand
-    # without --batch-size, even 10^9 samples start with a small batch; Ctrl-C: one line, exit 130
+        out_b = generate(letters_model(), batch_size=B, window=3, top_p=0.9, generator=g)
+        by_hand += [BYTES.decode(row) for row in out_b.tokens]
+    assert texts_of(out) == by_hand
+
+
+def test_many_samples_start_with_a_small_batch(ckpts, capsys, monkeypatch):
+    """Without --batch-size, even 10^9 samples start with a batch of 16 (bounded memory)."""
     first_batch_only = mock.Mock(side_effect=KeyboardInterrupt)  # stop after the first call
     monkeypatch.setattr(setdiff, "generate", first_batch_only)
     code, _, err = run_sample(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 10**9)
-    assert code == 130 and err == "interrupted\n" and first_batch_only.call_count == 1
+    assert code == 130
+    assert err == "interrupted\n"
+    assert first_batch_only.call_count == 1
     assert first_batch_only.call_args.kwargs["batch_size"] == 16
+
+
+def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpts, capsys, monkeypatch):
+    def interrupted(*args, **kw):  # the signal itself, not a stand-in
+        signal.raise_signal(signal.SIGINT)
+
     monkeypatch.setattr(setdiff, "generate", interrupted)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code, out, err = run_sample(capsys, "--ckpt", ckpts / "st.pt")
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert code == 130 and err == "interrupted\n" and "Traceback" not in out
+    assert code == 130
+    assert err == "interrupted\n"
+    assert "Traceback" not in out
 
 
-def test_sample_show_order_stop_at_eos_no_bos_released_folder_and_eval(ckpts, capsys, tmp_path):
-    args = ("--prompt", "Go", "--threshold", 0.3, "--temperature", 0, "--window", 6, "--show-order")
-    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args)
+@pytest.fixture
+def shown_order(ckpts, capsys):
+    """A greedy sample with --show-order -> (its calls, text, the runs [(text, call)], summary)."""
+    args = ("--prompt", "Go", "--threshold", 0.3, "--temperature", 0, "--window", 6)
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args, "--show-order")
     ((header, text),) = samples_of(out)
     picture, summary = out.split("--- decode order:\n")[1].splitlines()[:2]
-    runs = [(t, int(s)) for t, s in re.findall(r"\[([a-z]+)\](\d+)", picture)]
-    assert picture == "Go" + "".join(f"[{t}]{s}" for t, s in runs)
+    found = re.findall(r"\[([a-z]+)\](\d+)", picture)
+    runs = [(t, int(c)) for t, c in found]
+    marked = "".join(f"[{t}]{c}" for t, c in runs)
+    assert picture == "Go" + marked  # the given text, then only marked runs
+    return calls_of(header), text, runs, summary
+
+
+def test_show_order_marks_the_runs_of_the_sample(shown_order):
+    _, text, runs, _ = shown_order
     assert "Go" + "".join(t for t, _ in runs) == text
-    sizes = [sum(len(t) for t, s in runs if s == step) for step in range(calls_of(header))]
-    assert min(sizes) >= 1 and max(sizes) > 1 and sum(sizes) == L - 3  # every call one set
-    counts = ", ".join(f"{sizes.count(n)} x {n} token{'s' * (n > 1)}" for n in sorted(set(sizes)))
-    assert summary == "--- network calls revealed: " + counts
-    ids = [BYTES.bos_id, *b"abcde", BYTES.eos_id, BYTES.pad_id]
-    steps = [-1, -1, -1, 1, 1, 0, 2, setdiff.ERASED]
-    picture, summary = sample.decode_order(BYTES, ids, steps).splitlines()[1:]
+
+
+def test_show_order_counts_the_set_of_each_call(shown_order):
+    calls, _, runs, summary = shown_order
+    sizes = [0] * calls  # tokens each call revealed
+    for t, c in runs:
+        sizes[c] += len(t)
+    assert min(sizes) >= 1  # every call one set
+    assert max(sizes) > 1
+    assert sum(sizes) == L - 3
+    counts = [f"{sizes.count(n)} x {n} token{'s' * (n > 1)}" for n in sorted(set(sizes))]
+    assert summary == "--- calls revealed: " + ", ".join(counts)
+
+
+def test_decode_order_by_hand():
+    """Given text plain, a run of one call [text]N, EOS as \\n, an erased PAD nothing."""
+    ids = [BOS, *b"abcde", EOS, PAD]
+    calls = [-1, -1, -1, 1, 1, 0, 2, setdiff.ERASED]
+    shown = sample.decode_order(BYTES, ids, calls)
+    picture, summary = shown.splitlines()[1:]
     assert picture == "ab[cd]1[e]0[\\n]2"
-    assert summary == "--- network calls revealed: 2 x 1 token, 1 x 2 tokens"
-    # EOS beats every letter: with --stop-at-eos the sample ends at its first generated EOS
+    assert summary == "--- calls revealed: 2 x 1 token, 1 x 2 tokens"
+
+
+def test_stop_at_eos_ends_the_sample_at_its_first_eos(ckpts, capsys):
+    """EOS beats every letter: the sample ends at its first generated EOS."""
     common = ("--ckpt", ckpts / "eos.pt", "--prompt", "Hi", "--temperature", 0)
     ((header, text),) = samples_of(sample_ok(capsys, *common, "--stop-at-eos"))
     ((full, _),) = samples_of(sample_ok(capsys, *common))
-    assert text == "Hi" and calls_of(header) < calls_of(full) == L - 3
-    # no BOS (as OWT): start from EOS, the prompt as it is; a released folder has no val rows
-    out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", "--prompt", "Hi", "--max-new-tokens", 5)
-    assert re.fullmatch("Hi[a-z]{5}", samples_of(out)[0][1])  # no BOS in front: nothing left out
-    out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", "--max-new-tokens", 4)
-    assert re.fullmatch("[a-z]{4}", samples_of(out)[0][1])  # after EOS, the start of a document
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", *LETTERS]
-    model = letters_model(pad_id=0, bos_id=2, eos_id=2, mask_id=4, vocab_size=len(vocab))
-    with torch.no_grad():  # words and letters only: no [PAD], no [CLS] (EOS, a line break)
-        model.head.bias.copy_(torch.tensor([-10.0] * 5 + [10.0] * (len(vocab) - 5)))
-    folder = write_released(tmp_path / "lm1b-setdlm", model, vocab)
-    out = sample_ok(capsys, "--ckpt", folder, "--prompt", "the cat", "--max-new-tokens", 3)
-    assert "(released model)" in out and re.fullmatch(r"the cat( \S+){3}", samples_of(out)[0][1])
-    code, _, err = run_sample(capsys, "--ckpt", folder, "--eval")
-    assert code == 2 and "pass --eval FILE" in err
-    # --eval FILE: the bound on rows built by hand, the tail in a padded row, every byte counted
-    # (a byte a token, a newline per EOS); no PAD (as OWT): L-token rows, the tail left out, said
-    st = ("--ckpt", ckpts / "st.pt", "--eval")
-    out = sample_ok(capsys, *st, ckpts / "val.txt", "--num-orders", 2)
-    stream = [i for line in VAL_TEXT for i in BYTES.encode(line) + [BYTES.eos_id]]
-    rows, rest = wrapped_by_hand(stream, BYTES.bos_id, BYTES.eos_id, BYTES.pad_id)
-    assert rest == [] and (rows[-1] == BYTES.pad_id).any()  # the tail is in a padded row
+    assert text == "Hi"
+    assert calls_of(header) < calls_of(full) == L - 3
+
+
+@table(
+    "args,pattern",
+    {  # a model without BOS (as OWT) starts from EOS, the prompt as it is
+        "prompt": (["--prompt", "Hi", "--max-new-tokens", 5], "Hi[a-z]{5}"),  # nothing left out
+        "unconditional": (["--max-new-tokens", 4], "[a-z]{4}"),  # after EOS: a document starts
+    },
+)
+def test_a_model_without_bos_samples_the_text_as_it_is(ckpts, capsys, args, pattern):
+    out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", *args)
+    assert re.fullmatch(pattern, texts_of(out)[0])
+
+
+@pytest.fixture
+def letters_folder(tmp_path):
+    """A released LM1B-style folder of a letters_model over a small WordPiece vocab."""
+    vocab = [*VOCAB[:5], "the", "cat", "sat", *LETTERS]  # the specials, words, letters
+    specials = dict(pad_id=0, bos_id=2, eos_id=2, mask_id=4)
+    model = letters_model(vocab_size=len(vocab), **specials)
+    bias = torch.full((len(vocab),), 10.0)
+    bias[:5] = -10.0  # words and letters only: no [PAD], no [CLS] (EOS, a line break)
+    with torch.no_grad():
+        model.head.bias.copy_(bias)
+    return write_released(tmp_path / "lm1b-setdlm", model, vocab)
+
+
+def test_a_released_folder_samples_words(letters_folder, capsys):
+    args = ("--prompt", "the cat", "--max-new-tokens", 3)
+    out = sample_ok(capsys, "--ckpt", letters_folder, *args)
+    assert "(released model)" in out
+    assert re.fullmatch(r"the cat( \S+){3}", texts_of(out)[0])
+
+
+def test_a_released_folder_has_no_validation_rows(letters_folder, capsys):
+    code, _, err = run_sample(capsys, "--ckpt", letters_folder, "--eval")
+    assert code == 2
+    assert "pass --eval FILE" in err
+
+
+VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
+
+
+def test_eval_of_a_file_is_the_bound_on_rows_built_by_hand(ckpts, capsys):
+    """A byte a token, a newline per EOS: every byte counted; the tail in a padded row."""
+    argv = ("--ckpt", ckpts / "st.pt", "--eval", ckpts / "val.txt", "--num-orders", 2)
+    out = sample_ok(capsys, *argv)
+    rows, rest = wrapped_by_hand(VAL_STREAM, BOS, EOS, PAD)
+    assert rest == []
+    assert (rows[-1] == PAD).any()
     res = elbo(letters_model(), rows, num_orders=2, generator=gen(0))
-    assert f"val {res.line(len(stream))}" in out and "padded with PAD" in out
-    out = sample_ok(capsys, *st, ckpts / "short.txt")  # < one row
-    row = torch.tensor([[BYTES.bos_id, *b"hello", BYTES.eos_id] + [BYTES.pad_id] * (L - 7)])
+    assert f"val {res.line(len(VAL_STREAM))}" in out
+    assert "padded with PAD" in out
+
+
+def test_eval_of_a_text_shorter_than_a_row_scores_its_tokens_only(ckpts, capsys):
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", "--eval", ckpts / "short.txt")
+    padding = [PAD] * (L - 7)
+    row = torch.tensor([[BOS, *b"hello", EOS, *padding]])
     res = elbo(letters_model(), row, generator=gen(0))
-    assert f"val {res.line(6)}" in out and res.tokens_scored == 6  # padding is never scored
-    out = sample_ok(capsys, *st, "--eval-rows", 4, "--batch-size", 2, "--seed", 3)
-    val = torch.from_numpy(np.fromfile(ckpts / "val.bin", dtype=np.uint16).astype(np.int64))
-    res = elbo(letters_model(), val.view(-1, L)[:4], generator=gen(3))
-    assert f"val {res.line(4 * (L - 2))}" in out and "validation split" in out  # no FILE
+    assert f"val {res.line(6)}" in out
+    assert res.tokens_scored == 6  # padding is never scored
+
+
+def test_eval_without_a_file_scores_the_validation_rows(ckpts, capsys):
+    argv = ("--ckpt", ckpts / "st.pt", "--eval", "--eval-rows", 4, "--batch-size", 2)
+    out = sample_ok(capsys, *argv, "--seed", 3)
+    res = elbo(letters_model(), val_rows_of(ckpts, 4), generator=gen(3))
+    assert f"val {res.line(4 * (L - 2))}" in out
+    assert "validation split" in out
+
+
+def test_eval_without_pad_leaves_the_tail_out_and_says_so(ckpts, capsys):
+    """No PAD (as OWT): L-token rows, position 0 given; the tail is in no row."""
     out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", "--eval", ckpts / "val.txt")
-    rows, rest = wrapped_by_hand(stream, None, None)
-    res = elbo(letters_model(bos_id=None, pad_id=None), rows, generator=gen(0))
-    assert f"val {res.line(len(rows) * (L - 1))}" in out and len(rest) > 0
+    rows, rest = wrapped_by_hand(VAL_STREAM, None, None)
+    model = letters_model(bos_id=None, pad_id=None)
+    res = elbo(model, rows, generator=gen(0))
+    assert f"val {res.line(len(rows) * (L - 1))}" in out
+    assert len(rest) > 0
     assert f"not scored: the text's last {len(rest)} tokens (~{len(rest)} bytes)" in out
 
 
-SAMPLE_BAD_INPUT = [  # (arguments: {d} the checkpoint folder, {st} a good checkpoint; what stderr says)
-    ("--ckpt {d}/missing.pt", "not found"),
-    ("--ckpt {d}/not-a-model", "is a folder without config.json"),
-    ("--ckpt {d}/cut.pt", "not a readable checkpoint"),
-    ("--ckpt {d}/foreign.pt", "not a setdiff checkpoint"),
-    ("--prompt hello", "--ckpt"),
-    ("{st} --prompt " + "x" * L, f"--prompt is {L + 1} tokens (with BOS)"),
-    ("{st} --prompt hi --max-new-tokens 30", "--max-new-tokens must be at most 21"),
-    ("{st} --window 7", "--window must be in [1, 6]"),  # s = 6
-    ("{st} --top-p 0", "--top-p must be in (0, 1]"),
-    ("{st} --top-p 1.5", "--top-p must be in (0, 1]"),
-    ("{st} --temperature -1", "--temperature must be >= 0"),
-    ("{st} --threshold nan", "--threshold must be a number"),
-    ("{st} --infill no-holes", "nothing to fill"),
-    ("{st} --infill ___0", "___0"),
-    ("{st} --infill " + "[MASK]" * L, f"--infill is {L + 1} tokens"),
-    ("{st} --infill [MASK] --max-new-tokens 3", "--max-new-tokens"),
-    ("{st} --prompt a --infill [MASK]", "not allowed"),
-    ("{st} --eval {d}/missing.txt", "not a file"),
-    ("{st} --eval {d}/empty.txt", "is empty"),
-    ("{st} --eval {d}/binary.txt", "UTF-8"),
-    ("--ckpt {d}/owt.pt --eval {d}/short.txt", "fill no row"),
-    ("--ckpt {d}/noval.pt --eval", "pass --eval FILE"),
-    ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"),
-    ("{st} --num-samples 0", "must be at least 1"),
-    ("{st} --threads 0", "must be at least 1"),
-    ("{st} --span-len two", "invalid integer"),
-    ("{st} --device nonsense", "--device"),
-    ("{st} --no-such-flag", "unrecognized"),
-]
-
-
-@pytest.mark.parametrize("argv,message", SAMPLE_BAD_INPUT)
-def test_sample_bad_input(ckpts, capsys, argv, message):
-    code, _, err = run_sample(capsys, *argv.format(d=ckpts, st=f"--ckpt {ckpts}/st.pt").split())
-    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+@table(
+    "argv,message",
+    {  # arguments ({d}: the checkpoint folder, {st}: a good checkpoint) -> what stderr says
+        "missing-ckpt": ("--ckpt {d}/missing.pt", "not found"),
+        "folder": ("--ckpt {d}/not-a-model", "is a folder without a config.json"),
+        "cut-file": ("--ckpt {d}/cut.pt", "not a readable checkpoint"),
+        "foreign-file": ("--ckpt {d}/foreign.pt", "not a setdiff checkpoint"),
+        "no-ckpt": ("--prompt hello", "--ckpt"),
+        "long-prompt": ("{st} --prompt " + "x" * L, f"--prompt is {L + 1} tokens (with BOS)"),
+        "max-new-tokens": (
+            "{st} --prompt hi --max-new-tokens 30",
+            "--max-new-tokens must be in [1, 21]",
+        ),
+        "window": ("{st} --window 7", "--window must be in [1, 6]"),  # s = 6
+        "top-p-0": ("{st} --top-p 0", "--top-p must be in (0, 1]"),
+        "top-p-1.5": ("{st} --top-p 1.5", "--top-p must be in (0, 1]"),
+        "temperature": ("{st} --temperature -1", "--temperature must be >= 0"),
+        "threshold": ("{st} --threshold nan", "--threshold must be a number"),
+        "no-holes": ("{st} --infill no-holes", "nothing to fill"),
+        "empty-span": ("{st} --infill ___0", "___0"),
+        "long-infill": ("{st} --infill " + "[MASK]" * L, f"--infill is {L + 1} tokens"),
+        "infill-max-new-tokens": ("{st} --infill [MASK] --max-new-tokens 3", "--max-new-tokens"),
+        "prompt-and-infill": ("{st} --prompt a --infill [MASK]", "not allowed"),
+        "missing-text": ("{st} --eval {d}/missing.txt", "not a file"),
+        "empty-text": ("{st} --eval {d}/empty.txt", "is empty"),
+        "binary-text": ("{st} --eval {d}/binary.txt", "UTF-8"),
+        "no-row-no-pad": ("--ckpt {d}/owt.pt --eval {d}/short.txt", "fill no row"),
+        "no-val-rows": ("--ckpt {d}/noval.pt --eval", "pass --eval FILE"),
+        "val-rows-gone": ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"),
+        "num-samples": ("{st} --num-samples 0", "must be at least 1"),
+        "threads": ("{st} --threads 0", "must be at least 1"),
+        "span-len": ("{st} --span-len two", "invalid integer"),
+        "device": ("{st} --device nonsense", "--device"),
+        "unknown-flag": ("{st} --no-such-flag", "unrecognized"),
+    },
+)
+def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
+    st = f"--ckpt {ckpts}/st.pt"
+    args = argv.format(d=ckpts, st=st).split()
+    code, _, err = run_sample(capsys, *args)
+    assert code == 2
+    assert err.startswith("error: "), err
+    assert len(err.strip().splitlines()) == 1, err
     assert message in err, err
 
 
-# ---------------------------------------------------------------------------- experiments/
-# experiments/*.py as modules, the way the tests call their functions (frontier.py imports bench)
-sys.path.insert(0, str(ROOT / "experiments"))
-names = ["bench", "compare", "order_stats", "plot", "infill", "frontier"]
-bench, compare, order_stats, plot, infill, frontier = map(importlib.import_module, names)
+# ---- experiments/ --------------------------------------------------------------------------
+@torch.no_grad()
+def greedy_plain():
+    """Two prompts decoded greedily by bench's plain decoder -> (model, prompt, generation)."""
+    model = letters_model()
+    model.head.bias.zero_()  # greedy over letters alone soon repeats one: over all ids it varies
+    prompt = torch.tensor([[BOS, 104, 105], [BOS, 120, 121]])  # one call
+    plain = bench.plain_decoder(model, prompt, L - 3, temperature=0, top_p=1)
+    return model, prompt, plain
 
 
 @torch.no_grad()
-def test_bench_plain_decoder_cache_check_and_conclusions(monkeypatch):
-    """The peer: each greedy token is the argmax of ONE cache-free causal forward; conclusions."""
-    model = letters_model()
-    model.head.bias.zero_()  # greedy over letters alone soon repeats one: over all ids it varies
-    prompt = torch.tensor([[BYTES.bos_id, 104, 105], [BYTES.bos_id, 120, 121]])  # one call
-    plain = bench.plain_decoder(model, prompt, L - 3, temperature=0, top_p=1)
+def test_plain_decoder_takes_the_argmax_of_one_causal_forward_a_token():
+    model, prompt, plain = greedy_plain()
     causal = torch.ones(1, L - 1, L - 1).tril().bool()
-    h = model.run(plain.tokens[:, :-1], torch.arange(L - 1).expand(2, -1), causal)
+    positions = torch.arange(L - 1).expand(2, -1)
+    logits = model(plain.tokens[:, :-1], positions, causal)  # (2, L - 1, V)
+    greedy = logits.argmax(-1)
     assert torch.equal(plain.tokens[:, :3], prompt)
-    assert torch.equal(model.logits(h).argmax(-1)[:, 2:], plain.tokens[:, 3:])
-    assert plain.tokens[:, 3:].unique().numel() > 3 and plain.nfe == L - 3
-    assert plain.tokens_per_step == 1
-    assert plain.reveal_step[1].tolist() == [-1] * 3 + list(range(L - 3))
-    # the cache check: on a float64 copy (the model stays float32); it fails a forgetful cache
+    assert torch.equal(greedy[:, 2:], plain.tokens[:, 3:])
+    assert plain.tokens[:, 3:].unique().numel() > 3
+
+
+def test_plain_decoder_counts_one_call_a_token():
+    _, _, plain = greedy_plain()
+    assert plain.calls == L - 3
+    assert plain.tokens_per_call == 1
+    given = [setdiff.GIVEN] * 3
+    calls = list(range(L - 3))
+    assert plain.reveal_call[1].tolist() == given + calls
+
+
+def test_cache_check_runs_on_a_float64_copy(monkeypatch):
     model = letters_model()
     spy = mock.Mock(wraps=generate)
+    monkeypatch.setattr(setdiff, "generate", spy)
+    assert bench.cache_is_exact(model, 3, window=4)
+    models = [call.args[0] for call in spy.call_args_list]
+    assert [next(m.parameters()).dtype for m in models] == [torch.float64] * 2
+    assert next(model.parameters()).dtype == torch.float32  # the model stays float32
+
+
+def test_cache_check_fails_a_forgetful_cache(monkeypatch):
     store = setdiff.KVCache.store
 
     def forgetful(cache, new_idx, new_valid):  # stores nothing after the first call
         if not cache.filled.any():
             store(cache, new_idx, new_valid)
 
-    monkeypatch.setattr(setdiff, "generate", spy)
-    assert bench.cache_is_exact(model, 3, window=4)
-    seen = [next(call.args[0].parameters()).dtype for call in spy.call_args_list]
-    assert seen == [torch.float64] * 2 and next(model.parameters()).dtype == torch.float32
     monkeypatch.setattr(setdiff.KVCache, "store", forgetful)
-    assert not bench.cache_is_exact(model, 3, window=4)
-    samplers = bench.variants(model.cfg, dict(temperature=1.0, top_p=1.0))  # the conclusions:
-    assert list(samplers)[:3] == ["cached, w=4", "cache-free, w=4", "w=d=3, tau=1.01"]
+    assert not bench.cache_is_exact(letters_model(), 3, window=4)
+
+
+@pytest.fixture
+def samplers():
+    """bench's samplers of a letters_model (d=3, s=6)."""
+    return bench.variants(letters_model().cfg, dict(temperature=1.0, top_p=1.0))
+
+
+@pytest.fixture
+def timings(samplers):
+    """(name, batch 1) -> (tokens/call, tokens/s, slowest/fastest): the set sampler faster from
+    tau=0.3 at w=d, never at w=s; the cache at 2.4x the cache-free speed."""
     speed = {"w=d=3, tau=0.3": 150.0, "w=d=3, tau=0.1": 300.0, "w=s=6, tau=0.1": 90.0}
-    timings = {(name, 1): (1.0, speed.get(name, 50.0), 1.2) for name in [bench.PLAIN, *samplers]}
+    timings = {}
+    for name in [bench.PLAIN, *samplers]:
+        timings[name, 1] = (1.0, speed.get(name, 50.0), 1.2)
     timings["cached, w=4", 1] = (1.0, 120.0, 1.0)
     timings[bench.PLAIN, 1] = (1.0, 100.0, 1.1)
     timings["w=d=3, tau=0.3", 1] = (1.25, 150.0, 1.3)
+    return timings
+
+
+def test_bench_samplers_are_greedy_then_each_window_and_threshold(samplers):
+    assert list(samplers)[:3] == ["cached, w=4", "cache-free, w=4", "w=d=3, tau=1.01"]
+
+
+def test_bench_conclusions_of_the_timings(samplers, timings):
+    overtakes = "overtakes the plain decoder at tau=0.3, 1.25 tokens/call (1.50x)"
     assert bench.conclusions(1, samplers, timings) == [
         "batch 1, greedy: the KV cache runs at 2.40x the cache-free speed",  # 120 / 50
-        "batch 1, w=d=3: the set sampler overtakes the plain decoder at tau=0.3, 1.25 tokens/call (1.50x)",
+        f"batch 1, w=d=3: the set sampler {overtakes}",
         "batch 1, w=s=6: the plain decoder is faster at every threshold",
     ]
+
+
+def test_bench_concludes_nothing_from_repeats_that_disagree(samplers, timings):
     timings["w=s=6, tau=0.5", 1] = (1.0, 50.0, 1.6)  # one run of one sampler 1.6x another
     lines = bench.conclusions(1, samplers, timings)
-    assert "2.40x" in lines[0] and "overtakes" in lines[1]  # those lines rest on other samplers
+    assert "2.40x" in lines[0]  # the lines that rest on other samplers stand
+    assert "overtakes" in lines[1]
     assert lines[2].startswith("batch 1, w=s=6: the repeats disagree (slowest/fastest 1.60 > 1.5)")
 
 
-def test_bench_order_stats_and_plot_scripts(ckpts, tmp_path, capsys, monkeypatch):
+def test_bench_script_prints_the_table_the_cache_check_and_verdicts(ckpts):
     argv = ["experiments/bench.py", "--ckpt", str(ckpts / "st.pt"), "--repeats", "1"]
-    r = python(*argv, "--batch-sizes", "1", "2")
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "command: python " + " ".join([*argv, "--batch-sizes", "1", "2"]) in r.stdout
+    argv += ["--batch-sizes", "1", "2"]
+    r = python(*argv)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "command: python " + " ".join(argv) in r.stdout
     assert "warm-up round done" in r.stdout
-    assert re.search(r"^device: cpu \(.+\); float32 \(.+\); \d+ threads \(.+\)$", r.stdout, re.M)
+    device = r"^device: cpu \(.+\); float32 \(.+\); \d+ threads \(.+\)$"
+    assert re.search(device, r.stdout, re.M)
     row = r"^\| (plain|cached|cache-free|w=[ds]=\d)[^|]* \|( [\d.,]+ \|){4} [\d.]+x \|$"
     rows = re.findall(row, r.stdout, re.M)
-    assert len(rows) == 15 and rows[0][0] == "plain"
+    assert len(rows) == 15
+    assert rows[0][0] == "plain"
     assert "cached = cache-free (greedy, float64, batch 2): yes" in r.stdout
     verdict = r"^batch [12], (greedy|w=[ds]=[36]): "
     verdict += r"the (KV cache|set sampler|plain decoder|repeats) "
     assert len(re.findall(verdict, r.stdout, re.M)) == 6
+
+
+def test_order_stats_script_prints_each_policy(ckpts):
     r = python("experiments/order_stats.py", "--ckpt", str(ckpts / "l40.pt"))
+    assert r.returncode == 0
     names = re.findall(r"^\| (.+?) \|", r.stdout, re.M)[1:]
-    assert r.returncode == 0 and names == ["staggered d=3, s=6", "ar", "block d=3", "uniform"]
-    assert "| ar | 1.000 | 1.000 | 0.00 | 0.00 |" in r.stdout and "positions 16..23)" in r.stdout
+    assert names == ["staggered d=3, s=6", "ar", "block d=3", "uniform"]
+    assert "| ar | 1.000 | 1.000 | 0.00 | 0.00 |" in r.stdout
+    assert "positions 16..23)" in r.stdout
+
+
+def test_order_stats_script_needs_a_long_context(ckpts):
     r = python("experiments/order_stats.py", "--ckpt", str(ckpts / "st.pt"))
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and "L >= 33" in r.stderr
-    # order_stats via sample_order (L = 128, 4,000 orders, positions 16..111): P(left neighbour
-    # first), P(4 left ones first), E(masked of 16 left), E(revealed of 4 right); seeds spread 0.003
-    cases = [
-        ("staggered", 4, 8, (0.670, 0.432, 1.01, 0.87)),  # the authors' reference sampler; a pin
-        ("block", 4, None, (0.625, 25 / 48, 0.75, 0.75)),  # 1/4 + 3/4 * 1/2, (1 + ... + 1/4) / 4
-        ("uniform", 128, 128, (0.5, 0.2, 8, 2)),  # 1/2, 1/5, 16/2, 4/2
-    ]
-    for order, d, s, want in cases:
-        got = order_stats.order_stats(Config(seq_len=128, order=order, set_size=d, max_set_size=s))
-        assert got[:2] == pytest.approx(want[:2], abs=0.004), order
-        assert got[2:] == pytest.approx(want[2:], abs=0.015), order
-    # plot.py: the curves of metrics.jsonl, the 10% rule of a --json; figures in ASSETS, or one line
-    records = [dict(kind="val", tokens=200, bits_per_byte=3.5)]
-    records += [dict(kind="train", tokens=100, loss=1.0)]
-    records += [dict(kind="val", tokens=100, bits_per_byte=4.25)]
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ")
+    assert "L >= 33" in r.stderr
+
+
+@table(
+    "order,d,s,want",
+    {  # P(left neighbour first), P(4 left ones first), E(masked of 16 left), E(revealed of 4
+        # right) over 4,000 orders of L = 128, positions 16..111; seeds spread 0.003
+        "staggered": ("staggered", 4, 8, (0.670, 0.432, 1.01, 0.87)),  # the authors'; a pin
+        "block": ("block", 4, None, (0.625, 25 / 48, 0.75, 0.75)),  # 1/4 + 3/4 * 1/2, ...
+        "uniform": ("uniform", 128, 128, (0.5, 0.2, 8, 2)),  # 1/2, 1/5, 16/2, 4/2
+    },
+)
+def test_order_stats_match_closed_forms(order, d, s, want):
+    cfg = Config(seq_len=128, order=order, set_size=d, max_set_size=s)
+    got = order_stats.order_stats(cfg)
+    assert got[:2] == pytest.approx(want[:2], abs=0.004)
+    assert got[2:] == pytest.approx(want[2:], abs=0.015)
+
+
+def write_records(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture
+def plot_inputs(tmp_path, monkeypatch):
+    """Two metrics.jsonl files and a comparison's --json; plot.py draws into tmp_path."""
+    monkeypatch.setattr(plot, "ASSETS", tmp_path)
+    a = [dict(kind="val", tokens=200, bits_per_byte=3.5)]
+    a += [dict(kind="train", tokens=100, loss=1.0)]
+    a += [dict(kind="val", tokens=100, bits_per_byte=4.25)]
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    b = dict(kind="val", tokens=100, bits_per_byte=5.0)
-    (tmp_path / "b.jsonl").write_text(json.dumps(b) + "\n")
-    assert plot.training_curve(tmp_path / "a" / "metrics.jsonl") == [(100, 4.25), (200, 3.5)]
-    samples = [dict(model="m", window=2, threshold=None, tokens_per_call=1.0, judge_nll=2.0)]
-    for t, n in ((1.5, 2.19), (3.0, 2.3)):
-        samples += [dict(model="m", window=2, threshold=0.5, tokens_per_call=t, judge_nll=n)]
+    b = [dict(kind="val", tokens=100, bits_per_byte=5.0)]
+    row = dict(model="m", window=2, threshold=0.5)
+    samples = [dict(row, threshold=None, tokens_per_call=1.0, judge_nll=2.0)]
+    samples += [dict(row, tokens_per_call=1.5, judge_nll=2.19)]  # <= 1.1 x 2.0
+    samples += [dict(row, tokens_per_call=3.0, judge_nll=2.3)]  # > 1.1 x 2.0
     cmp = dict(samples=samples, validation=dict(judge_nll=1.0))
     (tmp_path / "cmp.json").write_text(json.dumps(cmp))
-    monkeypatch.setattr(plot, "ASSETS", tmp_path)
-    code = plot.main([str(tmp_path / name) for name in ("a/metrics.jsonl", "b.jsonl", "cmp.json")])
-    out, err = capsys.readouterr()
-    assert "| training tokens | a | b |" in out and "| 100 | 4.250 | 5.000 |" in out
-    assert "| 200 | 3.500 | nan |" in out and "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
-    if importlib.util.find_spec("matplotlib"):
-        assert code == 0 and (tmp_path / "training.png").exists()
-        assert (tmp_path / "frontier.png").exists()
-    else:
-        assert code == 2 and err == "error: drawing needs matplotlib (pip install matplotlib)\n"
+    files = [write_records(tmp_path / "a" / "metrics.jsonl", a)]
+    files += [write_records(tmp_path / "b.jsonl", b)]
+    return [*files, str(tmp_path / "cmp.json")]
+
+
+def test_plot_training_curve_is_the_validation_records_by_tokens(plot_inputs):
+    assert plot.training_curve(plot_inputs[0]) == [(100, 4.25), (200, 3.5)]
+
+
+def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
+    plot.main(plot_inputs)
+    out = capsys.readouterr().out
+    assert "| training tokens | a | b |" in out
+    assert "| 100 | 4.250 | 5.000 |" in out
+    assert "| 200 | 3.500 | nan |" in out
+    assert "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
+
+
+def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, capsys):
+    code = plot.main(plot_inputs)
+    err = capsys.readouterr().err
+    if not importlib.util.find_spec("matplotlib"):
+        assert code == 2
+        assert err == "error: drawing needs matplotlib (pip install matplotlib)\n"
+        return
+    assert code == 0
+    assert (tmp_path / "training.png").exists()
+    assert (tmp_path / "frontier.png").exists()
+
+
+def test_plot_refuses_other_files(tmp_path, capsys):
     assert plot.main([str(tmp_path / "x.txt")]) == 2
     assert "give metrics.jsonl files" in capsys.readouterr().err
 
 
-def test_compare_writes_the_figures_data_checks_first_and_text_stats(ckpts, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def comparison(ckpts, tmp_path_factory):
+    """compare.py on ar.pt and copy.pt, judged by ar.pt -> (printed tables, its --json)."""
+    path = tmp_path_factory.mktemp("compare") / "cmp.json"
     argv = [ckpts / "ar.pt", ckpts / "copy.pt", "--judge", ckpts / "ar.pt", "--samples", 3]
-    assert compare.main([*argv, "--eval-rows", 4, "--json", tmp_path / "cmp.json"]) == 0
-    out = capsys.readouterr().out
-    assert len(re.findall(r"^\| staggered d=3, s=6 \| [36] \| (>1|0\.\d+) \|", out, re.M)) == 2 * 8
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert compare.main([*argv, "--eval-rows", 4, "--json", path]) == 0
+    return out.getvalue(), json.loads(path.read_text())
+
+
+def test_compare_prints_a_row_per_window_and_threshold(comparison):
+    out, _ = comparison
+    row = r"^\| staggered d=3, s=6 \| [36] \| (>1|0\.\d+) \|"
+    assert len(re.findall(row, out, re.M)) == 2 * 8
     ar_row = r"^\| ar \| [\d.]+ \| [\d.]+ \+- [\d.]+ \| [\d.]+ \| 92 \|$"  # 4 x 23 tokens
     assert re.search(ar_row, out, re.M)
-    cmp = json.loads((tmp_path / "cmp.json").read_text())
-    assert [b["num_orders"] for b in cmp["bounds"]] == [4, 4] and len(cmp["samples"]) == 1 + 16
-    x = torch.from_numpy(np.fromfile(ckpts / "val.bin", dtype=np.uint16).astype(np.int64))
-    res = elbo(letters_model(), x.view(-1, L)[:4], num_orders=4, generator=gen(0))
-    assert cmp["bounds"][1]["nll_per_token"] == pytest.approx(res.nll_per_token, rel=1e-6)
-    assert cmp["bounds"][1]["bits_per_byte"] == pytest.approx(res.nll / math.log(2) / (4 * (L - 2)))
-    lines = plot.frontier(cmp)
+
+
+def test_compare_bound_is_the_elbo_of_the_validation_rows(ckpts, comparison):
+    _, cmp = comparison
+    assert [b["num_orders"] for b in cmp["bounds"]] == [4, 4]
+    assert len(cmp["samples"]) == 1 + 16
+    rows = val_rows_of(ckpts, 4)
+    res = elbo(letters_model(), rows, num_orders=4, generator=gen(0))
+    bound = cmp["bounds"][1]
+    assert bound["nll_per_token"] == pytest.approx(res.nll_per_token, rel=1e-6)
+    bits = res.nll / math.log(2) / (4 * (L - 2))
+    assert bound["bits_per_byte"] == pytest.approx(bits)
+
+
+def test_plot_frontier_of_a_comparison_is_sorted_by_tokens_per_call(comparison):
+    lines = plot.frontier(comparison[1])
     assert list(lines) == ["ar, w=1", "staggered d=3, s=6, w=3", "staggered d=3, s=6, w=6"]
-    assert all(points == sorted(points) and points[0][0] >= 1 for points in lines.values())
-    samples = cmp["samples"]
-    base = {(r["model"], r["window"]): r["judge_nll"] for r in samples if r["threshold"] is None}
-    for name, value in plot.within(cmp).items():  # by hand: the most tokens per call within 1.1x
+    assert all(points == sorted(points) for points in lines.values())
+    assert all(points[0][0] >= 1 for points in lines.values())
+
+
+def test_plot_within_is_the_most_tokens_per_call_within_1_1x(comparison):
+    samples = comparison[1]["samples"]
+    for name, value in plot.within(comparison[1]).items():  # by hand
         mine = [r for r in samples if f"{r['model']}, w={r['window']}" == name]
-        limit = 1.1 * base[mine[0]["model"], mine[0]["window"]]
-        assert value == max(r["tokens_per_call"] for r in mine if r["judge_nll"] <= limit)
-    no_folder = ["--json", tmp_path / "no/such/x.json"]
-    cases = [
-        ([ckpts / "st.pt", "--judge", ckpts / "st.pt"], "--order ar"),
-        ([ckpts / "other.pt", "--judge", ckpts / "ar.pt"], "not trained on the data"),
-        ([ckpts / "st.pt", "--judge", ckpts / "ar.pt", *no_folder], "folder does not exist"),
-    ]
-    for argv, message in cases:
-        assert compare.main(argv) == 2
-        out, err = capsys.readouterr()
-        assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
-        assert "model:" not in out  # nothing scored before the error
-    judge = letters_model("ar")  # the text statistics, by their closed forms
-    x = torch.tensor([[BYTES.bos_id, *BYTES.encode("the cat sat on the mat, it sat")[:23]]])
-    logp = torch.log_softmax(judge(x, torch.arange(L)[None]).double(), -1)
-    got = compare.text_stats(judge, x)
-    nll = -logp[:, 1:].gather(-1, x[:, 1:, None]).mean().item()
-    assert got["judge_nll"] == pytest.approx(nll, rel=1e-5)
-    p = torch.tensor([x[0, 1:].tolist().count(c) for c in set(x[0, 1:].tolist())]) / 23  # no BOS
-    assert got["unigram_entropy"] == pytest.approx(-(p * p.log2()).sum().item())
-    grams = {tuple(x[0, i : i + 4].tolist()) for i in range(1, 21)}
+        base = [r["judge_nll"] for r in mine if r["threshold"] is None]
+        kept = [r["tokens_per_call"] for r in mine if r["judge_nll"] <= 1.1 * base[0]]
+        assert value == max(kept)
+
+
+@table(
+    "argv,message",
+    {  # arguments ({d}: the checkpoint folder) -> what the one error line says
+        "set-judge": ("{d}/st.pt --judge {d}/st.pt", "--order ar"),
+        "other-data": ("{d}/other.pt --judge {d}/ar.pt", "not trained on the data"),
+        "no-folder": ("{d}/st.pt --judge {d}/ar.pt --json {d}/no/x.json", "folder does not exist"),
+    },
+)
+def test_compare_checks_its_input_before_scoring(ckpts, capsys, argv, message):
+    assert compare.main(argv.format(d=ckpts).split()) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ")
+    assert message in err
+    assert len(err.splitlines()) == 1
+    assert "model:" not in out  # nothing scored before the error
+
+
+JUDGED = BYTES.encode("the cat sat on the mat, it sat")[:23]  # the text of one row, after BOS
+
+
+@pytest.fixture
+def text_stats():
+    """compare's statistics of JUDGED under an AR judge -> (judge, x, statistics)."""
+    judge = letters_model("ar")
+    x = torch.tensor([[BOS, *JUDGED]])
+    return judge, x, compare.text_stats(judge, x)
+
+
+def test_judge_nll_is_the_ar_bound_of_the_text(text_stats):
+    judge, x, got = text_stats
+    logits = setdiff.position_logits(judge, x, torch.arange(L)[None])
+    logp = torch.log_softmax(logits.double(), -1)[0, 1:]  # no BOS
+    nll = -logp[torch.arange(23), JUDGED].mean()
+    assert got["judge_nll"] == pytest.approx(nll.item(), rel=1e-5)
+
+
+def test_unigram_entropy_of_the_text(text_stats):
+    _, _, got = text_stats
+    counts = [JUDGED.count(c) for c in set(JUDGED)]
+    p = torch.tensor(counts) / 23
+    entropy = -(p * p.log2()).sum()
+    assert got["unigram_entropy"] == pytest.approx(entropy.item())
+
+
+def test_distinct_4grams_of_the_text(text_stats):
+    _, _, got = text_stats
+    grams = {tuple(JUDGED[i : i + 4]) for i in range(20)}
     assert got["distinct_4grams"] == len(grams) / 20
-    same = torch.tensor([[BYTES.bos_id] + [7] * 23] * 2)
-    assert compare.text_stats(judge, same)["distinct_4grams"] == 1 / 40
 
 
-def test_infill_spans_bounds_and_fills_against_the_chain_rule():
-    """Spans away from EOS at 56..59 in turn; an AR model's bounds are its chain rule, a query
-    forward at a time (left side: the left context; both sides: all context, then the span
-    left to right); its fill is the greedy chain from the left side; G = left - both."""
-    rows = np.random.default_rng(0).integers(97, 123, (12, 72)).astype(np.uint16)
-    rows[:, 0] = BYTES.bos_id
-    rows[1, 60] = BYTES.eos_id  # a sentence break in row 1's span: skipped
-    x, starts = infill.pick_spans(rows, 6, BYTES.eos_id)
-    assert starts.tolist() == [56, 57, 58, 59, 56, 57] and x[1].tolist() == rows[2].tolist()
+def test_distinct_4grams_count_over_all_rows():
+    same = torch.tensor([[BOS] + [7] * 23] * 2)
+    assert compare.text_stats(letters_model("ar"), same)["distinct_4grams"] == 1 / 40
+
+
+def log_p(model, row, revealed, target):
+    """log p(. | x_revealed) at `target`, from one query after the revealed tokens."""
+    logits = one_query_logits(model, row[None], revealed, target)
+    return torch.log_softmax(logits.double(), -1)
+
+
+def chain_nll(model, row, revealed, span):
+    """Sum over the span of -log p(x_t | all revealed before t), left to right."""
+    nll = 0.0
+    for k, t in enumerate(span):
+        logp = log_p(model, row, revealed + span[:k], t)
+        nll -= logp[row[t]].item()
+    return nll
+
+
+@pytest.fixture(scope="module")
+def infill_spans():
+    """Rows of 72 with spans away from EOS at 56..59 in turn -> (AR model, x, starts, rows)."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(97, 123, (12, 72)).astype(np.uint16)
+    rows[:, 0] = BOS
+    rows[1, 60] = EOS  # a sentence break in row 1's span: skipped
+    x, starts = infill.pick_spans(rows, 6, EOS)
     model = tiny_model(order="ar", seq_len=72, n_layer=1)
+    return model, x, starts, rows
 
-    def query(row, revealed, target):  # log p(. | x_revealed) at `target`, one query after them
-        n = len(revealed)
-        attn = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
-        attn[n] = True
-        tokens = torch.cat([row[revealed], torch.tensor([model.cfg.mask_id])])[None]
-        z = model.logits(model.run(tokens, torch.tensor([revealed + [target]]), attn[None]))
-        return torch.log_softmax(z.double(), -1)[0, -1]
 
-    def chain(row, revealed, span):  # sum of -log p(x_t | all revealed before t)
-        return -sum(query(row, revealed + span[:k], t)[row[t]].item() for k, t in enumerate(span))
+def test_infill_picks_spans_without_a_sentence_break(infill_spans):
+    _, x, starts, rows = infill_spans
+    assert starts.tolist() == [56, 57, 58, 59, 56, 57]
+    assert x[1].tolist() == rows[2].tolist()
 
+
+def test_infill_bounds_of_an_ar_model_are_its_chain_rule(infill_spans):
+    """Left side: the left context; both sides: all context, then the span left to right."""
+    model, x, starts, _ = infill_spans
     res = infill.span_bounds(model, x, starts, mock.Mock(num_orders=2, seed=0))
-    left = both = 0.0
+    left = 0.0
+    both = 0.0
     for row, a in zip(x, starts.tolist()):
         span = list(range(a, a + infill.SPAN))
-        left += chain(row, list(range(a)), span)
-        both += chain(row, [p for p in range(72) if p not in span], span)
+        left += chain_nll(model, row, list(range(a)), span)
+        context = [p for p in range(72) if p not in span]
+        both += chain_nll(model, row, context, span)
     assert res["left"] == pytest.approx(left / 48, abs=1e-4)
     assert res["both"] == pytest.approx(both / 48, abs=1e-4)
     assert res["gain"] == res["left"] - res["both"]
-    for row, a, fill in zip(x, starts.tolist(), infill.fill(model, x, starts)):
+
+
+def test_infill_fill_of_an_ar_model_is_its_greedy_chain(infill_spans):
+    model, x, starts, _ = infill_spans
+    fills = infill.fill(model, x, starts)
+    for row, a, fill in zip(x, starts.tolist(), fills):
         chosen = row.clone()
         for t in range(a, a + infill.SPAN):
-            chosen[t] = query(chosen, list(range(t)), t).argmax()
+            chosen[t] = log_p(model, chosen, list(range(t)), t).argmax()
         assert fill.tolist() == chosen[a : a + infill.SPAN].tolist()
 
 
-def test_frontier_task_metric_and_a_run_on_two_tiny_models(tmp_path, capsys):
+def test_frontier_task_is_deterministic(tmp_path):
     frontier.write_task(tmp_path / "a", train=300, test=8)
     frontier.write_task(tmp_path / "b", train=300, test=8)
-    lines = (tmp_path / "a" / "train.txt").read_text().splitlines()
-    assert lines == (tmp_path / "b" / "train.txt").read_text().splitlines() and len(lines) == 300
-    for line in lines:  # the chain evaluated independently, with Python's own arithmetic
-        m = re.fullmatch(r"Q:(\d)((?:[+-]1){8}) A:((?:\d ){8})#(\d)", line)
-        value, values = int(m[1]), []
-        for step in re.findall(r"[+-]\d", m[2]):
+    a = (tmp_path / "a" / "train.txt").read_text()
+    assert a == (tmp_path / "b" / "train.txt").read_text()
+    assert len(a.splitlines()) == 300
+
+
+def test_frontier_task_answers_are_right(tmp_path):
+    frontier.write_task(tmp_path, train=300, test=8)
+    task = r"Q:(\d)((?:[+-]1){8}) A:((?:\d ){8})#(\d)"
+    for line in (tmp_path / "train.txt").read_text().splitlines():
+        m = re.fullmatch(task, line)
+        value = int(m[1])
+        values = []
+        for step in re.findall(r"[+-]\d", m[2]):  # evaluated with Python's own arithmetic
             value = eval(f"({value} {step}) % 10")
             values.append(str(value))
-        assert m[3].split() == values and m[4] == values[-1]
-    assert [frontier.final_answer(t) for t in ("2 8 #5", "2 8 #", "2 8", "#1 #7 ")] == [
-        "5",
-        "",
-        "",
-        "7",
-    ]
-    pairs = frontier.read_test(tmp_path / "a" / "test.txt")
-    paths = [tmp_path / "ar.pt", tmp_path / "st.pt"]
+        assert m[3].split() == values
+        assert m[4] == values[-1]
+
+
+@table(
+    "text,answer",
+    {
+        "answer": ("2 8 #5", "5"),
+        "empty": ("2 8 #", ""),
+        "none": ("2 8", ""),
+        "last": ("#1 #7 ", "7"),
+    },
+)
+def test_frontier_final_answer(text, answer):
+    assert frontier.final_answer(text) == answer
+
+
+@pytest.fixture(scope="module")
+def frontier_run(tmp_path_factory):
+    """frontier() on an AR and a staggered tiny model -> (its rows, the test pairs, paths)."""
+    d = tmp_path_factory.mktemp("frontier")
+    frontier.write_task(d, train=300, test=8)
+    pairs = frontier.read_test(d / "test.txt")
+    paths = [d / "ar.pt", d / "st.pt"]
     for path, order in zip(paths, ("ar", "staggered")):
-        setdiff.save_checkpoint(
-            path, tiny_model(order=order, seq_len=96, n_layer=1, set_size=4), BYTES
-        )
-    rows = frontier.frontier(paths, pairs, "cpu")
+        model = tiny_model(order=order, seq_len=96, n_layer=1, set_size=4)
+        setdiff.save_checkpoint(path, model, BYTES)
+    return frontier.frontier(paths, pairs, "cpu"), pairs, paths
+
+
+def test_frontier_rows_are_each_model_window_and_threshold(frontier_run):
+    rows, _, _ = frontier_run
     taus = [None, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
     want = [("plain causal decoder", 1, None), ("ar", 1, None)]
-    assert [(r["model"], r["window"], r["threshold"]) for r in rows] == want + [
-        ("staggered d=4", w, t) for w in (4, 8) for t in taus
-    ]
+    want += [("staggered d=4, s=8", w, t) for w in (4, 8) for t in taus]
+    assert [(r["model"], r["window"], r["threshold"]) for r in rows] == want
     assert rows[0]["accuracy"] is None  # the plain decoder gives a speed, not an accuracy
-    shots = pairs[-1:] + pairs[:-1]  # accuracy by hand, from answers decoded here
-    prompt = [
-        [BYTES.bos_id] + BYTES.encode(s + a) + [BYTES.eos_id] + BYTES.encode(q)
-        for (s, a), (q, _) in zip(shots, pairs)
-    ]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.fixture(scope="module")
+def decoded_here(frontier_run):
+    """The staggered model's answers at w=8, tau=0.3, decoded here -> (frontier's row for
+    them, the Generation, which answers are right)."""
+    rows, pairs, paths = frontier_run
+    shots = pairs[-1:] + pairs[:-1]  # each problem after another one, solved
+    prompt = []
+    for (s, a), (q, _) in zip(shots, pairs):
+        shot = BYTES.encode(s + a) + [EOS]
+        prompt.append([BOS, *shot, *BYTES.encode(q)])
     prompt = torch.tensor(prompt)
-    out = generate(
-        load_checkpoint(paths[1])[0],
-        prompt=prompt,
-        max_new_tokens=18,
-        temperature=0,
-        window=8,
-        threshold=0.3,
-    )
-    finals = [BYTES.decode(row[prompt.shape[1] :]).rsplit("#", 1)[-1].strip() for row in out.tokens]
-    row = next(
-        r
-        for r in rows
-        if r["model"] == "staggered d=4" and r["threshold"] == 0.3 and r["window"] == 8
-    )
-    assert row["accuracy"] == 100 * sum(f == a[-1] for f, (_, a) in zip(finals, pairs)) / 8
-    assert row["tokens_per_call"] == out.tokens_per_step and all(
-        r["tokens_per_s"] > 0 for r in rows
-    )
+    model = load_checkpoint(paths[1])[0]
+    sampler = dict(max_new_tokens=18, temperature=0, window=8, threshold=0.3)
+    out = generate(model, prompt=prompt, **sampler)
+    new = out.tokens[:, prompt.shape[1] :]
+    texts = [BYTES.decode(row) for row in new]
+    finals = [text.rsplit("#", 1)[-1].strip() for text in texts]
+    right = [final == a[-1] for final, (_, a) in zip(finals, pairs)]
+    row = rows[2 + 8 + 4]  # staggered, w=8, tau=0.3
+    assert (row["window"], row["threshold"]) == (8, 0.3)
+    return row, out, right
+
+
+def test_frontier_accuracy_is_the_share_of_right_final_answers(decoded_here):
+    row, _, right = decoded_here
+    assert row["accuracy"] == 100 * sum(right) / 8
+
+
+def test_frontier_tokens_per_call_are_the_samplers(decoded_here):
+    row, out, _ = decoded_here
+    assert row["tokens_per_call"] == out.tokens_per_call
+
+
+def test_plot_draws_the_frontier_of_a_json(frontier_run, tmp_path):
+    rows, _, _ = frontier_run
     (tmp_path / "r.json").write_text(json.dumps(dict(frontier=rows)))
     with mock.patch.object(plot, "draw") as draw:  # the figure's data reaches the drawing
         assert plot.main([str(tmp_path / "r.json")]) == 0
