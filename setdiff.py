@@ -9,7 +9,11 @@ every formula used here, in this file's order (the banners below).
 
 from __future__ import annotations
 
+import errno
 import functools
+import hashlib
+import heapq
+import io
 import itertools
 import json
 import math
@@ -492,20 +496,20 @@ def elbo(model, x, num_orders=1, batch_size=32, generator=None, given=None, prog
     was_training = model.training
     model.eval()  # dropout off; restored below
     total = N * num_orders
-    bar = tqdm(total=total, unit="row", desc="bound", disable=not progress)
     chunk_rows = 1024  # rows whose orders are drawn together: the bound ignores batch_size
-    for start in range(0, N, chunk_rows):
-        chunk = slice(start, start + chunk_rows)
-        n = len(x[chunk])
-        for _ in range(num_orders):
-            known = given[chunk]
-            orders = sample_order(model.cfg, n, generator, given=known, pad=pad[chunk])
-            for b in range(0, n, batch_size):
-                rows = slice(start + b, start + min(b + batch_size, n))
-                order = orders[b : b + batch_size]
-                row_nll[rows] += order_nll(model, x[rows], order, scored[rows])
-                bar.update(len(order))
-    bar.close()
+    # a `with`: the bar ends its line even when Ctrl-C stops the loop
+    with tqdm(total=total, unit="row", desc="bound", disable=not progress) as bar:
+        for start in range(0, N, chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            n = len(x[chunk])
+            for _ in range(num_orders):
+                known = given[chunk]
+                orders = sample_order(model.cfg, n, generator, given=known, pad=pad[chunk])
+                for b in range(0, n, batch_size):
+                    rows = slice(start + b, start + min(b + batch_size, n))
+                    order = orders[b : b + batch_size]
+                    row_nll[rows] += order_nll(model, x[rows], order, scored[rows])
+                    bar.update(len(order))
     model.train(was_training)
     row_nll /= num_orders
     tokens = scored.sum(1).double()  # (N,)
@@ -582,24 +586,26 @@ def draw_candidates(logits, temperature, top_p, generator=None):
     """A candidate and its confidence per query: logits (B, n, V) -> (cand, conf) (B, n).
 
     Confidence is the probability of the drawn token under the distribution it was drawn
-    from (temperature-scaled, top-p truncated and renormalised; greedy: the plain softmax).
-    Draws invert the CDF with uniforms from a CPU generator: independent of the device."""
+    from (temperature-scaled, top-p truncated and renormalised). Greedy takes the most
+    probable token, its confidence from the plain softmax's nucleus, renormalised as the
+    authors do. Draws invert the CDF with uniforms from a CPU generator: independent of the
+    device."""
     device = logits.device  # MPS has no float64; float64 stays float64 (tests)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     work = "cpu" if device.type == "mps" else device
     logits = logits.to(work, dtype)
-    if temperature == 0:
-        probs = F.softmax(logits, -1)
-        conf, cand = probs.max(-1)
-        return cand.to(device), conf.to(device)
     # subtract the max BEFORE dividing: a tiny temperature then gives a one-hot, not inf - inf
     top = logits.max(-1, keepdim=True).values
-    probs = F.softmax((logits - top) / temperature, -1)
-    p_sorted, vocab_idx = probs.sort(-1, descending=True)  # (B, n, V)
+    scale = temperature if temperature > 0 else 1.0
+    probs = F.softmax((logits - top) / scale, -1)
+    # stable: tied tokens keep id order, so greedy takes the first most probable, as argmax
+    p_sorted, vocab_idx = probs.sort(dim=-1, descending=True, stable=True)  # (B, n, V)
     if top_p < 1:  # the smallest set of tokens with mass >= p
         before = p_sorted.cumsum(-1) - p_sorted
         p_sorted = p_sorted * (before < top_p)
         p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
+    if temperature == 0:  # greedy: the first of the sorted tokens
+        return vocab_idx[..., 0].to(device), p_sorted[..., 0].to(device)
     # NOTE: the CDF is inverted in float64: in float32 a u just below the total mass can round
     # up to it, and the search would land on a zero-probability token such as MASK.
     cdf = p_sorted.double().cumsum(-1)
@@ -611,6 +617,19 @@ def draw_candidates(logits, temperature, top_p, generator=None):
     cand = vocab_idx.gather(-1, j).to(device)
     conf = p_sorted.gather(-1, j).to(device)
     return cand[..., 0], conf[..., 0]
+
+
+def penalize_repeats(logits, x, seen, penalty):
+    """The authors' repetition penalty (HF's RepetitionPenaltyLogitsProcessor), before the
+    draw: the logit of every id at a `seen` position of x (B, T) is divided by `penalty` where
+    positive and multiplied where negative, once however often it occurs. (B, m, V) -> same.
+    generate's `seen` is the context the authors take: after a prompt the generated tokens
+    (not the prompt); when infilling every visible token, the given right context included
+    (their ROCStories table); PAD never."""
+    count = torch.zeros_like(logits[:, 0], dtype=torch.float)  # (B, V) occurrences
+    count.scatter_add_(1, x, seen.float())
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(count[:, None] > 0, penalized, logits)
 
 
 def commit_rule(conf, valid, threshold):
@@ -736,12 +755,16 @@ def predict(model, x, new, queries, cache=None):
     return logits
 
 
-def sampler_window(cfg, window, threshold, temperature, top_p, infill=False):
+def sampler_window(
+    cfg, window, threshold, temperature, top_p, repetition_penalty=1.0, infill=False
+):
     """Check `generate`'s sampling arguments -> the window w. Messages name each argument as
     sample.py's flag of the same name does."""
     greedy_ok = math.isfinite(temperature) and temperature >= 0
     require(greedy_ok, f"--temperature must be >= 0 (0: greedy), got {temperature}")
     require(0 < top_p <= 1, f"--top-p must be in (0, 1] (1: off), got {top_p}")
+    penalty = f"--repetition-penalty must be > 0 (1: off), got {repetition_penalty}"
+    require(0 < repetition_penalty < math.inf, penalty)
     is_number = not math.isnan(threshold)
     require(is_number, "--threshold must be a number (> 1: one token a call)")
     if window is None:
@@ -819,6 +842,7 @@ def generate(
     threshold=math.inf,
     temperature=1.0,
     top_p=1.0,
+    repetition_penalty=1.0,
     generator=None,
     use_cache=True,
     stop_at_eos=False,
@@ -828,10 +852,13 @@ def generate(
     and never change); sampler_window and canvas, above, check the arguments. The window w
     defaults to default_window(cfg); tau = `threshold` > 1 reveals one token per call;
     temperature 0 is greedy; top_p 1 draws from the model's own distribution (the authors'
-    default). `use_cache=False` runs the cache-free reference step. -> a Generation."""
+    default); repetition_penalty 1 is off. `use_cache=False` runs the cache-free reference
+    step. -> a Generation."""
     cfg = model.cfg
     device = next(model.parameters()).device
-    w = sampler_window(cfg, window, threshold, temperature, top_p, infill is not None)
+    w = sampler_window(
+        cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
+    )
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
     B, T = x.shape
     start = time.perf_counter()
@@ -839,7 +866,11 @@ def generate(
     pending = x != cfg.mask_id  # revealed, not cached yet: the context, at the first call
     done = pending.all(1)
     row_calls = torch.zeros(B, dtype=torch.long, device=device)
-    cache = KVCache(cfg, B, T, T + w, device) if use_cache else None
+    # a call feeds <= max(P, w) new tokens (the P given ones first, then a set) + <= w queries
+    P = int(pending.sum(1).max())
+    max_call = max(P, w) + w
+    cache = KVCache(cfg, B, T, max_call, device) if use_cache else None
+    first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
     block_size = cfg.set_size if cfg.order == "block" else None
     was_training = model.training
     model.eval()  # dropout off; restored below
@@ -854,6 +885,9 @@ def generate(
         else:  # the cache-free step: every revealed token, in decode order (call, position)
             new = gather_sets(reveal_call >= GIVEN, key=reveal_call)
         logits = predict(model, x, new, queries, cache)
+        if repetition_penalty != 1:
+            seen = (reveal_call >= first_seen) & ~padding(cfg, x)
+            logits = penalize_repeats(logits, x, seen, repetition_penalty)
         # 3. a candidate per query; 4. the commit rule picks this call's set
         cand, conf = draw_candidates(logits, temperature, top_p, generator)  # (B, m)
         q_idx, q_valid = queries
@@ -899,21 +933,38 @@ def stop_at_first_eos(cfg, x, reveal_call):
 
 
 # ---- Checkpoints: setdiff's own, and the authors' released SetDLM folders -------------------
-CHECKPOINT_FORMAT = "setdiff-checkpoint-2"  # the layout of save_checkpoint, and the network
+# A checkpoint file is a line "<CHECKPOINT_FORMAT> <sha256 digest>", then torch.save's bytes
+# of a dict. torch.load does not check the CRCs of its zip, so damaged bytes would load as
+# other weights: the digest catches them. The bytes are made in memory and written by a plain
+# write, so that a full disk is the system's own error (ENOSPC), not an error inside torch.
+CHECKPOINT_FORMAT = "setdiff-checkpoint-3"  # the layout of write_checkpoint, and the network
 
 
 def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
-    """Config, tokenizer, weights and extras, to a temporary file renamed to `path` (atomic)."""
+    """Config, tokenizer, weights and extras, written by write_checkpoint."""
     model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
-    ckpt = {"format": CHECKPOINT_FORMAT, "config": asdict(model.cfg)}
-    ckpt["tokenizer"] = tokenizer.spec()
+    ckpt = {"config": asdict(model.cfg), "tokenizer": tokenizer.spec()}
     ckpt["model"] = model.state_dict()
+    write_checkpoint(path, ckpt | extra)
+
+
+def write_checkpoint(path, ckpt: dict) -> None:
+    """The header line and the dict's bytes, to a temporary file renamed to `path` (atomic)."""
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)
+    body = buffer.getbuffer()
+    digest = hashlib.sha256(body).hexdigest()
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
-        torch.save(ckpt | extra, tmp)
+        with open(tmp, "wb") as f:
+            f.write(f"{CHECKPOINT_FORMAT} {digest}\n".encode())
+            f.write(body)
         os.replace(tmp, path)
-    except RuntimeError as e:  # torch reports a full disk as a RuntimeError
-        raise OSError(f"could not write {path}: {e}") from e
+    except OSError as e:
+        why = e.strerror
+        if e.errno == errno.ENOSPC:
+            why = "the disk is full"
+        raise OSError(f"could not write {path}: {why}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -924,22 +975,32 @@ def load_checkpoint(path, device="cpu"):
     if os.path.isdir(path):
         return load_released(path, device)
     require(os.path.exists(path), f"checkpoint {path} not found: train one with train_small.py")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    fmt = isinstance(ckpt, dict) and ckpt.get("format")
-    old = f"{path} was written by an older setdiff; its network differs: retrain it"
-    require(fmt != "setdiff-checkpoint-1", old)
-    require(fmt == CHECKPOINT_FORMAT, f"{path} is not a setdiff checkpoint")
+    with open(path, "rb") as f:
+        header = f.readline(200).split()
+        body = f.read()
+    ours = header[:1] == [CHECKPOINT_FORMAT.encode()]
+    require(ours, f"{path} is not a setdiff checkpoint, or an older setdiff's: retrain it")
+    digest = hashlib.sha256(body).hexdigest().encode()
+    damaged = f"{path} is not a readable checkpoint: it is damaged (its sha256 digest differs)"
+    require(header[1:] == [digest], damaged)
+    ckpt = torch.load(io.BytesIO(body), map_location=device, weights_only=True)
     try:  # an unknown config field or weight: another version
         model = SetDiffusionLM(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"], strict=True)
     except (TypeError, RuntimeError, KeyError) as e:
         why = one_line(e)
         raise ValueError(f"{path} does not match this setdiff.py: {why}") from None
+    require_finite(model, path)
     tok = Tokenizer.from_spec(ckpt["tokenizer"])
     return model.to(device).eval(), tok, ckpt
+
+
+def require_finite(model: SetDiffusionLM, path) -> None:
+    """Refuse NaN and inf weights: the run that wrote them diverged, and every output would be
+    NaN or garbage."""
+    for name, w in model.state_dict().items():
+        finite = bool(w.isfinite().all())  # always true for integer tensors
+        require(finite, f"{path}: weight {name} is not finite (NaN or inf): a diverged run's")
 
 
 def one_line(error: Exception) -> str:
@@ -976,11 +1037,18 @@ def load_released(folder, device="cpu"):
     else:  # GPT-2 byte-level BPE (the OWT models)
         vocab_json = os.path.join(folder, "vocab.json")
         merges = os.path.join(folder, "merges.txt")
+        no_files = f"{folder} has no vocab.txt (BERT) nor vocab.json + merges.txt (GPT-2)"
+        require(os.path.isfile(vocab_json), no_files)
         tok = Tokenizer.from_bpe(vocab_json, merges)
     try:
         cfg = released_config(spec, tok)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path} lacks a field a SetDLM's config.json has: {e}") from None
+    # NOTE: the authors' schedule takes k or b as given where noise_config sets them; setdiff
+    # derives both from d and s only, so such a config is refused rather than run differently.
+    for key in ("k", "b"):
+        shape = f"{path}: noise_config sets {key}: setdiff derives k and b from d and s only"
+        require(spec["noise_config"].get(key) is None, shape)
     fits = (cfg.vocab_size, cfg.mask_id) == (tok.vocab_size, tok.mask_id)
     require(fits, f"{folder}: its tokenizer files do not fit config.json (vocab size, MASK id)")
     weights = {}
@@ -998,6 +1066,7 @@ def load_released(folder, device="cpu"):
     except RuntimeError as e:
         why = one_line(e)
         raise ValueError(f"{folder}: the weights do not fit config.json: {why}") from None
+    require_finite(model, folder)
     info = {"config": asdict(cfg), "released": os.fspath(folder)}
     return model.to(device).eval(), tok, info
 
@@ -1148,14 +1217,15 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
         why_threads = "requested with --threads"
     torch.set_num_threads(n)
     dtype_name = str(how).removeprefix("torch.")
-    line = f"device: {where} ({why}); {dtype_name} ({why_dtype}); {n} threads ({why_threads})"
+    plural = "" if n == 1 else "s"
+    threads_used = f"{n} thread{plural} ({why_threads})"
+    line = f"device: {where} ({why}); {dtype_name} ({why_dtype}); {threads_used}"
     return where, how, line
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
-    mixed = dtype != torch.float32
-    return torch.autocast(device.type, dtype=dtype, enabled=mixed)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def synchronize(device: torch.device) -> None:
@@ -1165,11 +1235,17 @@ def synchronize(device: torch.device) -> None:
 
 
 # ---- Text -> rows, as the authors build them ----------------------------------------------
-# A file is read line by line: lines that are not UTF-8 text are skipped, blank lines are no
-# sentences. LM1B (BERT WordPiece): a line is detokenized, tokenized and followed by [CLS],
-# which is both EOS and BOS; the stream is cut into chunks of L-2 tokens, each row [CLS] +
-# chunk + [CLS]. OWT (GPT-2 BPE, no BOS): a line is a document followed by <|endoftext|>; rows
-# are raw L-token chunks. Bytes: [BOS] + chunk + [EOS], EOS standing for the newline.
+# A file is read as documents, each followed by EOS. Lines that are not UTF-8 text (or hold a
+# NUL byte) are skipped and counted; a file mostly of them is binary, and refused.
+#   Bytes and LM1B (BERT WordPiece): a document is a line, stripped (a sentence; a blank line
+#   is none). WordPiece: the line is detokenized, tokenized and followed by [CLS], which is
+#   both EOS and BOS; the stream is cut into chunks of L-2 tokens, each row [CLS] + chunk +
+#   [CLS]. Bytes: [BOS] + chunk + [EOS], EOS standing for the newline.
+#   OWT (GPT-2 BPE, no BOS): a document is text as it is, as the OWT models saw it: newlines,
+#   blank lines and indentation are ordinary tokens (CRLF and CR line ends read as LF). Documents
+#   end at a line that holds only <|endoftext|> and at the end of a file: a file is one
+#   document, or several separated by such lines. EOS comes only between documents; rows are
+#   raw L-token chunks.
 LM1B_DETOKENIZER = [  # MDLM's lm1b_detokenizer, in its order; a literal rule is escaped
     (r"http : / / ", "http://"),
     (r"https : / / ", "https://"),
@@ -1201,22 +1277,51 @@ def lm1b_detokenize(text: str) -> str:
     return text
 
 
-def line_text(raw: bytes) -> str | None:
-    """A raw line of a file -> its text, stripped (the \\r of Windows line ends too); "" for a
-    blank line; None if it is not text (not UTF-8, or a NUL byte: a binary file)."""
-    raw = raw.strip()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return None if "\0" in text else text
+def documents(tok: Tokenizer, data: bytes) -> tuple:
+    """A file's bytes (or a chunk of whole documents) -> (its documents, its lines of text that
+    are not blank, the lines skipped as not text). Blank documents are left out."""
+    docs = []
+    doc = []  # the lines of the document being read
+    lines = 0
+    bad = 0
+    for raw in data.splitlines():  # at LF, CRLF or CR
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "\0"  # not text, as a NUL byte (a binary file) says
+        if "\0" in text:
+            bad += 1
+            continue
+        lines += bool(text.strip())
+        if tok.kind != "bpe":
+            docs.append(text.strip())
+        elif document_end(tok, raw):
+            docs.append("\n".join(doc))
+            doc = []
+        else:
+            doc.append(text)
+    docs.append("\n".join(doc))
+    return [d for d in docs if d.strip()], lines, bad
 
 
-def line_ids(tok: Tokenizer, line: str) -> list:
-    """A line's ids, then EOS; a WordPiece (LM1B) line is detokenized first, as the authors do."""
+def document_end(tok: Tokenizer, raw: bytes) -> bool:
+    """Whether a raw line of a file ends a document: every line, or GPT-2's separator line."""
+    return tok.kind != "bpe" or raw.strip() == GPT2_EOS.encode()
+
+
+def document_ids(tok: Tokenizer, doc: str) -> list:
+    """A document's ids, then EOS; a WordPiece (LM1B) line is detokenized first, as the authors
+    do."""
     if tok.kind == "wordpiece":
-        line = lm1b_detokenize(line)
-    return tok.encode(line) + [tok.eos_id]
+        doc = lm1b_detokenize(doc)
+    return tok.encode(doc) + [tok.eos_id]
+
+
+def check_text(flag: str, path, lines: int, bad: int) -> None:
+    """Refuse a file without text, and a binary one: a few bad lines are skipped (LM1B has
+    some), but not more than there are lines of text."""
+    require(lines or bad, f"{flag} {path} holds no text")
+    require(bad <= lines, f"{flag} {path} does not look like text: {bad:,} lines are not UTF-8")
 
 
 def wrap_rows(stream, seq_len: int, bos, eos):
@@ -1253,6 +1358,7 @@ def text_per_row(cfg: Config) -> int:
 #              only; the ids of HuggingFace's BertWordPieceTokenizer(lowercase=True).
 #   bpe:       GPT-2 byte-level BPE from vocab.json + merges.txt (the OWT models), MASK appended.
 TOKENIZER_KINDS = ("bytes", "wordpiece", "bpe")
+WORD_MEMO = 1 << 16  # the words whose ids a tokenizer remembers
 
 
 class Tokenizer:
@@ -1264,7 +1370,9 @@ class Tokenizer:
         self.kind = kind
         self.pieces = list(pieces or [])  # id -> piece
         self.ids = {piece: i for i, piece in enumerate(self.pieces)}  # piece -> id
-        self.memo = {}  # word -> ids: natural text repeats few words
+        # word -> ids, remembered: natural text repeats few words; bounded, for endless text
+        split = self._bpe if kind == "bpe" else self._wordpiece
+        self.word_ids = functools.lru_cache(maxsize=WORD_MEMO)(split)
         self.merges = [tuple(m) for m in merges or []]  # GPT-2's pair merges, best first
         self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
         self.unk_id = None
@@ -1356,7 +1464,6 @@ class Tokenizer:
         bert = self.kind == "wordpiece"
         specials = _BERT_SPECIAL_RE if bert else _GPT2_SPECIAL_RE
         words_of = _bert_words if bert else _gpt2_words
-        ids_of = self._wordpiece if bert else self._bpe
         ids = []
         # Special-token strings are matched first, case-sensitively ("[cls]" is ordinary
         # text); the split's odd-numbered pieces are those tokens.
@@ -1365,9 +1472,7 @@ class Tokenizer:
                 ids.append(self.ids[chunk])
                 continue
             for word in words_of(chunk):
-                if word not in self.memo:
-                    self.memo[word] = ids_of(word)
-                ids += self.memo[word]
+                ids += self.word_ids(word)
         return ids
 
     def _wordpiece(self, word: str) -> tuple:
@@ -1392,22 +1497,38 @@ class Tokenizer:
         return tuple(ids)
 
     def _bpe(self, word: str) -> tuple:
-        """Merge the best-ranked adjacent pair everywhere, left to right, until none is ranked."""
-        parts = list(word)
-        while len(parts) > 1:
-            adjacent = zip(parts, parts[1:])
-            pairs = [p for p in adjacent if p in self.ranks]
-            if not pairs:
-                break
-            a, b = min(pairs, key=self.ranks.get)
-            merged = []
-            for part in parts:
-                if merged and merged[-1] == a and part == b:
-                    merged[-1] = a + b
-                else:
-                    merged.append(part)
-            parts = merged
-        return tuple(self.ids[p] for p in parts)
+        """Merge the best-ranked adjacent pair everywhere, left to right, until none is ranked.
+        The parts are a linked list and the ranked pairs a heap of (rank, start): O(n log n).
+        Pairs that a round's merges make wait for the round's end, as if every occurrence of
+        the best pair merged at once (this matters where a merge outranks one it needs)."""
+        n = len(word)
+        # parts[i]: the part that starts at letter i, None once merged away; parts[n] = None
+        # ends the list at both sides (parts[-1]), so a pair at an end is never ranked
+        parts = [*word, None]
+        after = [*range(1, n + 1), n]  # where the next part starts
+        before = list(range(-1, n))
+        heap = sorted(self._ranked(parts, after, range(n)))  # a sorted list is a heap
+        while heap:
+            rank = heap[0][0]
+            made = []  # parts whose pair with the next part is new
+            while heap and heap[0][0] == rank:  # the best pair's occurrences, left to right
+                i = heapq.heappop(heap)[1]
+                j = after[i]
+                if self.ranks.get((parts[i], parts[j])) != rank:
+                    continue  # merged away, or overlapping the previous occurrence
+                parts[i] += parts[j]
+                parts[j] = None
+                after[i] = after[j]
+                before[after[i]] = i
+                made += [before[i], i]
+            for entry in self._ranked(parts, after, made):
+                heapq.heappush(heap, entry)
+        return tuple(self.ids[p] for p in parts if p)
+
+    def _ranked(self, parts: list, after: list, starts) -> list:
+        """(rank, start) of the ranked pairs that begin at `starts`."""
+        pairs = [((parts[i], parts[after[i]]), i) for i in starts]
+        return [(self.ranks[pair], i) for pair, i in pairs if pair in self.ranks]
 
     def decode(self, ids) -> str:
         """Text of ids (list, tensor or array). WordPiece pieces are joined by spaces, except
