@@ -22,6 +22,7 @@ import glob
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -88,7 +89,7 @@ PRESETS = {"cpu": CPU, "lm1b": LM1B, "lm1b-small": LM1B_SMALL}
 SHAPE = ("seq_len", "n_layer", "n_head", "d_model", "order", "set_size", "max_set_size")
 # Flags a resumed run may change; it takes every other setting from its checkpoint.
 MAY_CHANGE = {"out", "resume", "force", "device", "dtype", "compile", "threads", "workers"}
-MAY_CHANGE |= {"cache_dir", "log_every", "max_steps", "eval_every", "eval_rows"}
+MAY_CHANGE |= {"cache_dir", "log_every", "max_steps", "eval_every", "eval_rows", "lr"}
 
 
 # ---- Built-in corpus: prose sentences from the docstrings of Python, numpy and torch -------
@@ -159,13 +160,14 @@ def builtin_corpus(cache_dir, roots=None, out=None) -> Path:
 
 
 # ---- Text files -> rows in a uint16 memmap, cached ------------------------------------------
-# setdiff's "Text -> rows" section says how a line becomes ids and ids become rows. Workers
-# tokenize ~1 MB chunks of lines; the main process wraps their ids in file order into a row
-# file, so memory stays bounded and the rows do not depend on the number of workers. A line is
-# held out for validation by a hash of its content, so that identical lines (LM1B has many)
-# land on one side. meta.json records what the rows were made from, for reuse.
+# setdiff's "Text -> rows" section says what a document is (a sentence a line; GPT-2: a text
+# whose documents end at an <|endoftext|> line), how it becomes ids and ids become rows.
+# Workers tokenize ~1 MB chunks of whole documents; the main process wraps their ids in file
+# order into a row file, so memory stays bounded and the rows do not depend on the number of
+# workers. A document is held out for validation by a hash of its content, so that identical
+# lines (LM1B has many) land on one side. meta.json records what the rows were made from.
 CHUNK_BYTES = 1 << 20
-ROWS_RULE = 2  # bump when the rows change: it renames the cache
+ROWS_RULE = 3  # bump when the rows change: it renames the cache
 SIDES = ("train", "val")
 _TOK = None  # the tokenizer of a worker process
 
@@ -176,44 +178,52 @@ def set_tokenizer(spec: dict) -> None:
 
 
 def tokenize_chunk(task) -> tuple:
-    """-> (file index, bytes read, bad lines, {side: dict(ids, lines, text_bytes)}). Blank
-    lines are not sentences; lines that are not text are skipped and counted."""
+    """-> (file index, bytes read, [lines of text, lines skipped as not text], {side:
+    dict(ids, documents, text_bytes)})."""
     index, data, fraction = task
-    out = {side: dict(ids=[], lines=0, text_bytes=0) for side in SIDES}
-    bad = 0
-    for raw in data.split(b"\n"):
-        text = setdiff.line_text(raw)
-        if text is None:
-            bad += 1
-        elif text:
-            line = raw.strip()
-            digest = hashlib.blake2b(line, digest_size=8).digest()
-            held_out = int.from_bytes(digest, "little") < fraction * 2**64
-            part = out["val" if held_out else "train"]
-            part["ids"] += setdiff.line_ids(_TOK, text)
-            part["lines"] += 1
-            part["text_bytes"] += len(line) + 1  # + the newline that EOS stands for
+    out = {side: dict(ids=[], documents=0, text_bytes=0) for side in SIDES}
+    docs, lines, bad = setdiff.documents(_TOK, data)
+    for doc in docs:
+        text = doc.encode()
+        digest = hashlib.blake2b(text, digest_size=8).digest()
+        held_out = int.from_bytes(digest, "little") < fraction * 2**64
+        part = out["val" if held_out else "train"]
+        part["ids"] += setdiff.document_ids(_TOK, doc)
+        part["documents"] += 1
+        part["text_bytes"] += len(text) + 1  # + the newline that EOS stands for
     for part in out.values():
         part["ids"] = np.array(part["ids"], np.uint16)
-    return index, len(data), bad, out
+    return index, len(data), [lines, bad], out
 
 
 def tokenized_chunks(files, tok: Tokenizer, fraction: float, workers: int):
-    """tokenize_chunk of ~CHUNK_BYTES of whole lines at a time, file after file, in order."""
+    """tokenize_chunk of ~CHUNK_BYTES of whole documents at a time, file after file, in order."""
 
     def chunks():
         for i, path in enumerate(files):
             with open(path, "rb") as f:
-                while data := f.read(CHUNK_BYTES) + f.readline():  # a long line stays whole
-                    yield i, data, fraction
+                data = bytearray()
+                for line in f:
+                    data += line
+                    if len(data) >= CHUNK_BYTES and setdiff.document_end(tok, line):
+                        yield i, bytes(data), fraction
+                        data.clear()
+                yield i, bytes(data), fraction
 
     spec = tok.spec()
     set_tokenizer(spec)  # the serial path is a worker too
     if workers == 1:
         yield from map(tokenize_chunk, chunks())
         return
-    # spawned, not forked: forking after torch started its threads can hang
-    with multiprocessing.get_context("spawn").Pool(workers, set_tokenizer, (spec,)) as pool:
+    # Spawned, not forked: forking after torch started its threads can hang. Born ignoring
+    # Ctrl-C, the workers leave it to this process, which terminates them (a worker that died of
+    # it would print a traceback, and its task would never come back).
+    ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(workers, set_tokenizer, (spec,))
+    finally:
+        signal.signal(signal.SIGINT, ctrl_c)
+    with pool:
         tasks = chunks()  # a few chunks per worker at a time: bounded memory, the same rows
         while batch := list(itertools.islice(tasks, 4 * workers)):
             yield from pool.imap(tokenize_chunk, batch)
@@ -223,8 +233,7 @@ def prepare_rows(files, tok, seq_len, cache_dir, val_fraction, workers=1, verbos
     """Rows of the text `files` -> ({"train" | "val": np.memmap (N, L) uint16}, meta). The
     settings name the cache folder; the files' sizes and mtimes say whether it is fresh."""
     require(tok.vocab_size <= 2**16, f"--tokenizer: {tok.vocab_size:,} ids overflow uint16 rows")
-    paths = list(map(str, files))
-    key = json.dumps([ROWS_RULE, tok.spec(), seq_len, val_fraction, paths])
+    key = json.dumps([ROWS_RULE, tok.spec(), seq_len, val_fraction, *map(str, files)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]  # other settings: another folder
     folder = Path(cache_dir) / f"rows-{tok.kind}-L{seq_len}-{digest}"
     sources = []
@@ -240,8 +249,9 @@ def prepare_rows(files, tok, seq_len, cache_dir, val_fraction, workers=1, verbos
         print(f"data: reusing {folder}")
     rows = {}  # memmaps: read from disk on demand
     for side, count in meta["splits"].items():
-        shape = (count["rows"], seq_len)
-        rows[side] = np.memmap(folder / f"{side}.bin", np.uint16, "r", shape=shape)
+        rows[side] = np.memmap(
+            folder / f"{side}.bin", np.uint16, "r", shape=(count["rows"], seq_len)
+        )
     return rows, meta
 
 
@@ -254,23 +264,23 @@ def build_rows(folder, files, sources, tok, seq_len, val_fraction, workers, verb
     if total <= 2 * CHUNK_BYTES:
         workers = 1  # small: workers would cost, not save
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not verbose)
-    counts = {side: dict(rows=0, lines=0, tokens=0, text_bytes=0) for side in SIDES}
+    counts = {side: dict(rows=0, documents=0, tokens=0, text_bytes=0) for side in SIDES}
     carry = {side: np.empty(0, np.uint16) for side in SIDES}  # tokens waiting for a row
-    lines = np.zeros((len(files), 2), np.int64)  # a file's good and bad lines
+    lines = np.zeros((len(files), 2), np.int64)  # a file's lines of text, and bad lines
     tmp = {side: folder / f"{side}.bin.tmp-{os.getpid()}" for side in SIDES}
     outs = {side: open(tmp[side], "wb") for side in SIDES}
     try:
-        for i, size, bad, out in tokenized_chunks(files, tok, val_fraction, workers):
+        for i, size, read, out in tokenized_chunks(files, tok, val_fraction, workers):
             for side, part in out.items():
                 stream = np.concatenate([carry[side], part["ids"]])  # a row may span two chunks
                 rows, carry[side] = setdiff.wrap_rows(stream, seq_len, tok.bos_id, tok.eos_id)
                 outs[side].write(rows.tobytes())
                 count = counts[side]
                 count["rows"] += len(rows)
-                count["lines"] += part["lines"]
+                count["documents"] += part["documents"]
                 count["tokens"] += len(part["ids"])
                 count["text_bytes"] += part["text_bytes"]
-            lines[i] += (out["train"]["lines"] + out["val"]["lines"], bad)
+            lines[i] += read
             bar.update(size)
         bar.close()
         check_rows(files, lines, counts, seq_len)
@@ -281,21 +291,23 @@ def build_rows(folder, files, sources, tok, seq_len, val_fraction, workers, verb
         for side in SIDES:
             outs[side].close()
             tmp[side].unlink(missing_ok=True)
-    meta = dict(rule=ROWS_RULE, sources=sources, bad_lines=int(lines[:, 1].sum()), splits=counts)
+        with contextlib.suppress(OSError):  # a failed build leaves no empty folder behind
+            folder.rmdir()
+    meta = dict(sources=sources, bad_lines=int(lines[:, 1].sum()), splits=counts)
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # a cut one reads as stale
     return meta
 
 
 def check_rows(files, lines, counts: dict, seq_len: int) -> None:
     """Refuse a file that is empty or not text, and a side without one whole row."""
-    for path, (good, bad) in zip(files, lines.tolist()):
-        require(good or bad, f"{path} is empty: give text files, one sentence a line")
-        # a few bad lines are skipped (LM1B has some); a file of mostly bad ones is not text
-        require(bad <= good, f"{path} does not look like text: {bad:,} lines are not UTF-8")
-    fix = "give more text, a smaller --seq-len or another --val-fraction"
+    for path, read in zip(files, lines.tolist()):
+        setdiff.check_text("--data", path, *read)
     for side, count in counts.items():
-        too_few = f"too few for a row of --seq-len {seq_len}"
-        require(count["rows"], f"the {side} text has {count['tokens']:,} tokens, {too_few}: {fix}")
+        require(
+            count["rows"],
+            f"the {side} text has {count['tokens']:,} tokens, too few for a row of --seq-len "
+            f"{seq_len}: give more text, a smaller --seq-len or another --val-fraction",
+        )
 
 
 # ---- Batches: the rows and the randomness of step n are pure functions of (seed, n) --------
@@ -327,25 +339,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def at_least(low: int):
-    def integer(text: str) -> int:  # argparse names the type after this function
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        return int(text)
+def within(low, high=math.inf, kind=float):
+    """An argparse type: a number in [low, high)."""
 
-    return integer
+    def number(text: str):  # argparse names the type after this function
+        value = kind(text)
+        if not low <= value < high:  # NaN too
+            bounds = f"at least {low}" if high == math.inf else f"in [{low}, {high})"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
 
-
-def fraction(text: str) -> float:
-    if not 0 < float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return float(text)
-
-
-def decay(text: str) -> float:
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return float(text)
+    return number
 
 
 def flag(key: str) -> str:
@@ -363,15 +367,17 @@ def build_parser() -> Parser:
         p.add_argument(option, help=f"{help} ({shown})", **kw)
 
     cache = os.environ.get("SETDIFF_CACHE") or os.path.expanduser("~/.cache/setdiff")
-    positive = at_least(1)
-    natural = at_least(0)
+    positive = within(1, kind=int)
+    natural = within(0, kind=int)
+    non_negative = within(0)
+    fraction = within(0, 1)
     add = p.add_argument
     add("--preset", choices=PRESETS, default="cpu", help="the values marked (cpu ...)")
     preset("--tokenizer", "'bytes', BERT's vocab.txt, or GPT-2's vocab.json")
-    preset("--seq-len", "L: tokens per row, BOS and EOS included", type=at_least(3))
+    preset("--seq-len", "L: tokens per row, BOS and EOS included", type=within(3, kind=int))
     preset("--n-layer", "transformer blocks", type=positive)
     preset("--n-head", "attention heads", type=positive)
-    preset("--d-model", "hidden width", type=at_least(2))
+    preset("--d-model", "hidden width", type=within(2, kind=int))
     preset("--dropout", "residual dropout", type=float)
     preset("--order", "policy: set, AR, masked or block diffusion", choices=setdiff.ORDER_POLICIES)
     preset("--set-size", "d: the target set size (staggered, block)", type=int)
@@ -382,14 +388,14 @@ def build_parser() -> Parser:
     preset("--batch-size", "rows per forward pass of one process", type=positive)
     preset("--global-batch", "rows per step, all processes (None: --batch-size)", type=positive)
     preset("--max-steps", "optimizer steps", type=positive)
-    preset("--lr", "AdamW learning rate (betas 0.9, 0.999)", type=float)
+    preset("--lr", "AdamW learning rate (betas 0.9, 0.999)", type=non_negative)
     preset("--warmup-steps", "linear warm-up steps, then constant", type=natural)
-    preset("--weight-decay", "AdamW weight decay", type=float)
+    preset("--weight-decay", "AdamW weight decay", type=non_negative)
     preset("--grad-clip", "gradient norm clipping (0: off)", type=float)
-    preset("--ema", "EMA decay of the saved weights", type=decay)
+    preset("--ema", "EMA decay of the saved weights", type=fraction)
     preset("--eval-every", "steps between validations (and ckpt.pt saves)", type=positive)
     preset("--eval-rows", "validation rows scored (0: all)", type=natural)
-    add("--data", nargs="+", help="text files, a sentence (GPT-2: a document) a line")
+    add("--data", nargs="+", help="text: a sentence a line (GPT-2: <|endoftext|> lines end texts)")
     add("--cache-dir", default=cache, help="prepared rows, the built-in corpus (%(default)s)")
     add(
         "--workers",
@@ -434,7 +440,6 @@ def load_tokenizer(spec) -> Tokenizer:
         if not spec.endswith(".json"):
             return Tokenizer.from_vocab(spec)
         merges = Path(spec).with_name("merges.txt")  # as a hub download lays them out
-        require(merges.is_file(), f"{spec}: GPT-2's vocab.json needs merges.txt beside it")
         return Tokenizer.from_bpe(spec, merges)
     except ValueError as e:
         raise ValueError(f"--tokenizer: {e}") from None
@@ -442,6 +447,10 @@ def load_tokenizer(spec) -> Tokenizer:
 
 def model_config(args, tok: Tokenizer) -> Config:
     """The Config of the flags; its own checks' messages get the flags' names."""
+    require(
+        args.max_set_size is None or args.order == "staggered",
+        f"--max-set-size sets s of --order staggered, not of {args.order}",
+    )
     shape = {key: getattr(args, key) for key in SHAPE}
     try:
         return Config(
@@ -459,16 +468,24 @@ def model_config(args, tok: Tokenizer) -> Config:
 
 
 # ---- Before the work: the run folder, the settings, the data -------------------------------
+def check_folder(option: str, folder) -> None:
+    """A folder to write in (made if missing), checked before the work that fills it."""
+    here = Path(folder).absolute()
+    existing = next(p for p in (here, *here.parents) if p.exists())
+    writable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    require(writable, f"{option} {folder}: {existing} is not a writable folder")
+
+
 def check_out(args) -> None:
     """--out first: a typo should cost a second, not an hour of tokenizing."""
+    check_folder("--out", args.out)
     out = Path(args.out)
-    here = out.absolute()
-    existing = next(p for p in (here, *here.parents) if p.exists())
-    require(existing.is_dir(), f"--out {out}: {existing} is a file, not a folder")
-    require(os.access(existing, os.W_OK | os.X_OK), f"--out {out}: {existing} is not writable")
     held = any((out / f).exists() for f in ("ckpt.pt", "best.pt", "metrics.jsonl"))
-    why = "continue it with --resume, overwrite it with --force, or choose another --out"
-    require(not held or args.resume or args.force, f"--out {out} already holds a run: {why}")
+    require(
+        not held or args.resume or args.force,
+        f"--out {out} already holds a run: continue it with --resume, overwrite it with "
+        "--force, or choose another --out",
+    )
 
 
 def resumed(args, given) -> tuple:
@@ -528,6 +545,7 @@ def settings(args, given) -> tuple:
 def load_data(args, tok: Tokenizer, cfg: Config, master: bool) -> tuple:
     """The rows of --data (no --data: the built-in corpus) -> (rows, the validation rows as
     sample.py --eval finds them: path, rows, bytes_per_token)."""
+    check_folder("--cache-dir", args.cache_dir)
     files = []
     for pattern in args.data or ():  # a glob (news.en-*) stands for its files, sorted
         found = sorted(glob.glob(pattern))  # a plain path: itself, if it exists
@@ -539,14 +557,16 @@ def load_data(args, tok: Tokenizer, cfg: Config, master: bool) -> tuple:
     )
     if master:
         for side, n in meta["splits"].items():
-            print(f"data: {side} {n['rows']:,} rows of {cfg.seq_len} ({n['lines']:,} lines)")
+            print(
+                f"data: {side} rows of {cfg.seq_len}: {n['rows']:,}; documents: {n['documents']:,}"
+            )
     if master and meta["bad_lines"]:
-        skipped = f"data: skipped {meta['bad_lines']:,} lines"
-        print(f"{skipped} that are not UTF-8 text", file=sys.stderr)
+        print(f"data: lines skipped as not UTF-8 text: {meta['bad_lines']:,}", file=sys.stderr)
     val = meta["splits"]["val"]
     path = os.path.abspath(rows["val"].filename)
-    bytes_per_token = val["text_bytes"] / val["tokens"]
-    return rows, dict(path=path, rows=val["rows"], bytes_per_token=bytes_per_token)
+    return rows, dict(
+        path=path, rows=val["rows"], bytes_per_token=val["text_bytes"] / val["tokens"]
+    )
 
 
 # ---- Training ------------------------------------------------------------------------------
@@ -697,7 +717,8 @@ def open_run_folder(run: Run) -> None:
 
 
 def train_step(run: Run, step: int) -> torch.Tensor:
-    """One optimizer step on the global batch of `step`; returns its loss (on the device)."""
+    """One optimizer step on the global batch of `step` -> this process's share of its loss,
+    on the device."""
     args = run.args
     torch.manual_seed(step_seed(args.seed, step, 1 + run.rank))  # this step's dropout
     warmup = min(1.0, (step + 1) / max(args.warmup_steps, 1))
@@ -709,7 +730,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(step_seed(args.seed, step, 0))
     orders = setdiff.sample_order(run.cfg, run.G, generator)
     orders = orders.reshape(run.accum, run.world, run.micro, -1)[:, run.rank]  # (A, B, L)
-    total = 0.0  # the step's loss, summed on the device
+    total = 0.0  # this process's share of the step's loss, summed on the device
     for a in range(run.accum):
         x = torch.from_numpy(run.rows["train"][ids[a]].astype(np.int64)).to(run.device)  # (B, L)
         order = orders[a].to(run.device)
@@ -763,7 +784,8 @@ def evaluate(run: Run, step: int) -> None:
     num_bytes = round(text_tokens * run.val_rows["bytes_per_token"])
     metrics = res.metrics(num_bytes)
     line = res.line(num_bytes)
-    best = run.best is None or res.nll_per_token < run.best["nll_per_token"]
+    nll = res.nll_per_token
+    best = math.isfinite(nll) and (run.best is None or nll < run.best["nll_per_token"])
     if best:
         run.best = {"step": step, **metrics, "line": line}
     log_metrics(run, dict(step=step, kind="val", tokens=run.tokens, **metrics))
@@ -777,7 +799,7 @@ def evaluate(run: Run, step: int) -> None:
 def summary(run: Run, tokens0: int, start: float) -> None:
     """Speed, the best validation, and a sample of the EMA weights (generate's defaults)."""
     speed = (run.tokens - tokens0) / (time.perf_counter() - start)
-    print(f"done: {run.step:,} steps, {run.tokens:,} tokens; {speed:,.0f}/s")
+    print(f"done: step {run.step:,}, {run.tokens:,} tokens; {speed:,.0f}/s")
     if run.best:
         print(f"best validation (step {run.best['step']:,}): {run.best['line']}")
     generator = torch.Generator().manual_seed(run.args.seed)
@@ -802,50 +824,57 @@ def train(args, given) -> int:
         signals.append(signal.Signals(signum).name)
 
     handlers = {sig: signal.signal(sig, note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    loss_sum = torch.zeros((), device=run.device)  # on the device: reading it syncs a GPU
+    loss_sum = 0.0
     since = time.perf_counter()  # the loss line's steps: since when, how many
     steps = 0
-    stopped = False
     try:
         for step in range(step0, args.max_steps):
-            loss_sum += train_step(run, step)
+            loss = train_step(run, step)
+            # One all-reduce a step: the loss, and whether a process was signalled (they stop
+            # together, or one would wait for the others forever). Reading it syncs the device.
+            state = torch.stack([loss / run.world, loss.new_tensor(len(signals))])
+            if run.world > 1:
+                dist.all_reduce(state)  # the mean loss over the processes; signals
+            loss, stop = state.tolist()
             run.step = step + 1
+            require(  # never saved: ckpt.pt keeps the last good weights
+                math.isfinite(loss),
+                f"step {run.step:,}: the loss is {loss}: the run diverged; lower --lr",
+            )
+            loss_sum += loss
             steps += 1
             bar.update(1)
             last = run.step == args.max_steps  # the last step always logs and evaluates
             if run.step % args.log_every == 0 or last:  # the mean loss since the last line
-                if run.world > 1:
-                    dist.all_reduce(loss_sum)
-                loss = loss_sum.item() / run.world / steps  # per step, averaged over processes
+                loss = loss_sum / steps  # per step
                 lr = run.opt.param_groups[0]["lr"]
                 tok_s = steps * run.G * run.cfg.seq_len / (time.perf_counter() - since)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
                 if master:
                     record = dict(step=run.step, kind="train", loss=loss, lr=lr, tokens_per_s=tok_s)
                     log_metrics(run, record)
-                loss_sum.zero_()
+                loss_sum = 0.0
                 since = time.perf_counter()
                 steps = 0
             if master and (run.step % args.eval_every == 0 or last):
                 evaluate(run, run.step)
                 since = time.perf_counter()  # validation is not training speed
-            stopped = bool(signals)
-            if run.world > 1:  # the processes agree, or one would wait for the others forever
-                stop = torch.tensor(float(stopped), device=run.device)
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                stopped = bool(stop.item())
-            if stopped:
+            if stop:
                 break
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         bar.close()
     ckpt = run.out / "ckpt.pt"
+    stopped = run.step < args.max_steps
     if stopped and master:  # the state is the last whole step: --resume repeats nothing
         save(ckpt, run, resumable=True)
         why = signals[0] if signals else "another process's signal"
-        again = f"continue: --resume --out {run.out}"
-        print(f"\ninterrupted ({why}) at step {run.step:,}: saved {ckpt}; {again}", file=sys.stderr)
+        print(
+            f"\ninterrupted ({why}) at step {run.step:,}: saved {ckpt}; "
+            f"continue: --resume --out {run.out}",
+            file=sys.stderr,
+        )
     if stopped:
         return 130
     if master:
