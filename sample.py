@@ -17,6 +17,7 @@ import glob
 import math
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -55,7 +56,8 @@ def build_parser() -> Parser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--prompt", help="text to continue (after BOS, where the model has one)")
     mode.add_argument("--infill", help="holes: [MASK] one position, ___N N, ___ --span-len")
-    mode.add_argument("--eval", nargs="*", help="the bound on files (none: validation rows)")
+    files = "text files: a sentence a line (GPT-2: <|endoftext|> lines end texts; none: val rows)"
+    mode.add_argument("--eval", nargs="*", help=files)
     p.add_argument("--num-samples", type=at_least(1), default=1, help="samples to draw (1)")
     p.add_argument("--batch-size", type=at_least(1), help="rows a call (min(N, 16); --eval: 32)")
     p.add_argument("--max-new-tokens", type=at_least(1), help="tokens to write (all: L - P)")
@@ -66,6 +68,8 @@ def build_parser() -> Parser:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (1)")
     top_p = "nucleus mass, 1 = off: the model's own distribution, the authors' default (1)"
     p.add_argument("--top-p", type=float, default=1.0, help=top_p)
+    penalty = "divides a seen token's positive logit (multiplies a negative one); 1 = off (1)"
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help=penalty)
     p.add_argument("--seed", type=int, default=0, help="seed of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
     p.add_argument("--show-order", action="store_true", help="mark what call N revealed: [text]N")
@@ -144,7 +148,8 @@ def decode_order(tok: Tokenizer, ids: list, calls: list) -> str:
 def sample(args, model, tok: Tokenizer):
     """Draw --num-samples samples in batches of --batch-size rows (bounded memory, whatever
     the number), each printed as soon as its batch is done, with its speed."""
-    flags = ("window", "threshold", "temperature", "top_p", "max_new_tokens", "stop_at_eos")
+    flags = ["window", "threshold", "temperature", "top_p", "repetition_penalty"]
+    flags += ["max_new_tokens", "stop_at_eos"]
     options = {name: getattr(args, name) for name in flags}  # generate() checks them
     # generate() puts BOS first where the model has one (without BOS, as GPT-2/OWT,
     # unconditional samples start from EOS)
@@ -190,8 +195,8 @@ class EvalRows:
 
 
 def text_rows(files: list, tok: Tokenizer, cfg: Config) -> EvalRows:
-    """Rows of text files as training builds them (each line's ids and EOS, wrapped), the text
-    after the last whole row in one more row padded with PAD where the model has PAD."""
+    """Rows of text files as training builds them (each document's ids and EOS, wrapped), the
+    text after the last whole row in one more row padded with PAD where the model has PAD."""
     names = []
     for pattern in files:
         names += sorted(glob.glob(pattern)) or [pattern]
@@ -200,18 +205,15 @@ def text_rows(files: list, tok: Tokenizer, cfg: Config) -> EvalRows:
     skipped = 0
     for name in names:
         require(os.path.isfile(name), f"--eval: {name} is missing or not a file")
-        require(os.path.getsize(name), f"--eval: {name} is empty")
         with open(name, "rb") as f:
-            for raw in f:
-                line = setdiff.line_text(raw)
-                if line is None:
-                    skipped += 1
-                elif line:
-                    stream.extend(setdiff.line_ids(tok, line))
-                    num_bytes += len(line.encode()) + 1  # and the newline, which EOS stands for
+            docs, lines, bad = setdiff.documents(tok, f.read())
+        setdiff.check_text("--eval", name, lines, bad)  # training's refusal: some text in each
+        skipped += bad
+        for doc in docs:
+            stream.extend(setdiff.document_ids(tok, doc))
+            num_bytes += len(doc.encode()) + 1  # and the newline or break that EOS stands for
     if skipped:
         print(f"eval: skipped {skipped:,} lines that are not UTF-8 text")
-    require(stream, f"--eval: {' '.join(files)} hold no lines of UTF-8 text")
     L = cfg.seq_len
     rows, tail = setdiff.wrap_rows(stream, L, cfg.bos_id, cfg.eos_id)
     text_tokens = np.full(len(rows), setdiff.text_per_row(cfg))
@@ -221,7 +223,7 @@ def text_rows(files: list, tok: Tokenizer, cfg: Config) -> EvalRows:
         left = f"the text's last {len(tail):,} tokens (~{about:,} bytes)"
         print(f"not scored: {left}, too few for a whole row; this model has no PAD to pad one")
     elif len(tail):
-        # The tail ends with its last line's EOS, so the padded row ends as a text does;
+        # The tail ends with its last document's EOS, so the padded row ends as a text does;
         # padding is never attended to or scored.
         start = [] if cfg.bos_id is None else [cfg.bos_id]
         last = start + tail.tolist()
@@ -237,10 +239,9 @@ def text_rows(files: list, tok: Tokenizer, cfg: Config) -> EvalRows:
 
 def validation_rows(ckpt: dict, path, cfg: Config) -> EvalRows:
     """The validation rows train_small.py recorded for this run (uint16 (rows, L) on disk)."""
-    info = ckpt.get("val_rows") or {}
+    info = ckpt.get("val_rows")  # train_small.py's {path, rows, bytes_per_token}
     hint = "pass --eval FILE ... to score text files"
-    recorded = {"path", "rows", "bytes_per_token"} <= set(info)
-    require(recorded, f"{path} records no validation rows (train_small.py writes them): {hint}")
+    require(info, f"{path} records no validation rows (train_small.py writes them): {hint}")
     L = cfg.seq_len
     n = info["rows"]
     rows_file = info["path"]
@@ -290,8 +291,6 @@ def sample_or_score(args):
 def main(argv=None) -> int:
     """The script: exit code 0, 2 for a user error (one line on stderr), 130 on Ctrl-C."""
     args = build_parser().parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")  # samples may hold any character
     try:
         sample_or_score(args)
     except (ValueError, OSError) as e:  # setdiff and this file raise ValueError for bad input
@@ -305,4 +304,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(errors="replace")  # samples may hold any character
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a closed pipe (| head) ends us as any tool
     sys.exit(main())

@@ -73,23 +73,24 @@ def span_bounds(model, x, starts, args):
     return out
 
 
-def fill(model, x, starts):
+def fill(model, x, starts, repetition_penalty):
     """Greedy fills (n, SPAN), one token a call from the largest window, the context cached
     first; AR continues the left side (its training orders never show it right context)."""
     cfg = model.cfg
     _, span, _ = regions(x, starts)
     n = len(x)
+    greedy = dict(temperature=0, repetition_penalty=repetition_penalty)
     if cfg.order != "ar":
         holes = x.masked_fill(span, cfg.mask_id)
         w = setdiff.max_window(cfg)
-        out = setdiff.generate(model, infill=holes, window=w, temperature=0)
+        out = setdiff.generate(model, infill=holes, window=w, **greedy)
         filled = out.tokens.cpu()
         return filled[span].view(n, SPAN)
     fills = torch.empty(n, SPAN, dtype=torch.long)
     for start in starts.unique().tolist():  # the prompts of one length at a time
         rows = starts == start
         prompt = x[rows, :start]
-        out = setdiff.generate(model, prompt=prompt, max_new_tokens=SPAN, temperature=0)
+        out = setdiff.generate(model, prompt=prompt, max_new_tokens=SPAN, **greedy)
         fills[rows] = out.tokens.cpu()[:, start:]
     return fills
 
@@ -127,6 +128,9 @@ def evaluate(args, device):
     for path in args.ckpt:
         model, mine, ckpt = setdiff.load_checkpoint(path, device)
         model.eval()
+        pad = model.cfg.pad_id  # span_bounds cuts a row after its span with PAD
+        no_pad = f"{path} has no PAD, which infill.py needs to cut a row after its span"
+        require(pad is not None, no_pad)
         val = ckpt.get("val_rows") or {}
         val_path = str(val.get("path"))  # the same rows as the judge's, in any cache
         exists = os.path.isfile(val_path)
@@ -135,10 +139,10 @@ def evaluate(args, device):
         require(same, f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
         name = setdiff.policy_name(model.cfg)
         print(f"model: {path}, {name}", flush=True)
-        fills = fill(model, x, starts)
+        fills = fill(model, x, starts, args.repetition_penalty)
         hits = fills == truth
         exact = hits.all(1)
-        row = dict(model=name, ckpt=str(path))
+        row = dict(model=name, ckpt=path)
         row |= span_bounds(model, x, starts, args)
         row["byte_accuracy"] = hits.double().mean().item()
         row["exact"] = exact.double().mean().item()
@@ -171,9 +175,6 @@ def write_json(path, data):
 
 
 def main(argv=None):
-    if argv is None:
-        argv = sys.argv[1:]
-    argv = [str(a) for a in argv]  # paths too
     summary = __doc__.split("\n\n")[0]
     p = argparse.ArgumentParser(description=summary)
     add = p.add_argument
@@ -182,6 +183,8 @@ def main(argv=None):
     add("--rows", type=int, default=512, help="spans, one a validation row (512)")
     add("--num-orders", type=int, default=4, metavar="K", help="decode orders a span (4)")
     add("--seed", type=int, default=0, help="seed of the orders (0)")
+    penalty = "of the fills, 1 = off; the authors' infill table: 1.2 (1)"
+    add("--repetition-penalty", type=float, default=1.0, help=penalty)
     add("--json", metavar="PATH", help="also write the results here")
     add("--device", help="cpu, cuda, cuda:N or mps (default: the first available)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
