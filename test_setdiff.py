@@ -5,6 +5,7 @@ the authors' description. CPU, tiny models, float32 unless exactness needs float
 Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametrize."""
 
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib
@@ -21,6 +22,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -84,33 +86,52 @@ def holes_in(cfg, spans, seed=0):
     return rows, holes, torch.where(holes, cfg.mask_id, rows)
 
 
-def nll_of(model, x, order, scored):
-    """Sum over scored positions of -log p(x_i | x before i in order), per row (float64)."""
+def position_nll(model, x, order):
+    """-log p(x_i | x before i in order) at every position i: (B, L) float64."""
     logits = setdiff.position_logits(model, x, order)
     logp = torch.log_softmax(logits.double(), -1)
-    nll = -logp.gather(-1, x[..., None])[..., 0]  # (B, L)
+    return -logp.gather(-1, x[..., None])[..., 0]
+
+
+def nll_of(model, x, order, scored):
+    """Sum over scored positions of -log p(x_i | x before i in order), per row (float64)."""
+    nll = position_nll(model, x, order)
     scored = torch.as_tensor(scored)
     return torch.where(scored, nll, 0.0).sum(1).tolist()
+
+
+def causal_logits(model, tokens, positions):
+    """A causal forward: each slot sees itself and the slots before it -> logits (B, T, V)."""
+    T = tokens.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    return model(tokens, positions, causal)
 
 
 def one_query_logits(model, x, revealed, target):
     """Logits (V,) for x[0, target] from a forward of just the revealed tokens (causal among
     themselves, in the order given) and ONE mask query that sees all of them and itself."""
-    n = len(revealed)
-    attn = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()[None]
     mask = torch.tensor([model.cfg.mask_id])
     tokens = torch.cat([x[0, revealed], mask])[None]
     positions = torch.tensor([revealed + [target]])
-    return model(tokens, positions, attn, queries=1)[0, -1]
+    return causal_logits(model, tokens, positions)[0, -1]
+
+
+def log_p(model, row, revealed, target):
+    """log p(. | x_revealed) at `target`, from one query after the revealed tokens."""
+    logits = one_query_logits(model, row[None], revealed, target)
+    return torch.log_softmax(logits.double(), -1)
+
+
+def chain_nll(model, row, revealed, span):
+    """Sum over the span of -log p(x_t | all revealed before t), left to right."""
+    nll = 0.0
+    for k, t in enumerate(span):
+        logp = log_p(model, row, revealed + span[:k], t)
+        nll -= logp[row[t]].item()
+    return nll
 
 
 # ---- config, order policies, schedule -------------------------------------------------------
-def test_config_round_trips_through_json():
-    cfg = tiny_cfg()
-    stored = json.loads(json.dumps(setdiff.asdict(cfg)))  # as a checkpoint stores it
-    assert Config(**stored) == cfg
-
-
 @table(
     "kw,match",
     {
@@ -135,14 +156,6 @@ def test_config_checks_only_what_the_policy_uses():
     uniform = Config(order="uniform", seq_len=3, set_size=99)
     assert ar.max_set_size is None
     assert uniform.order == "uniform"
-
-
-def test_config_takes_the_released_special_ids():
-    lm1b = Config(vocab_size=30522, mask_id=103, bos_id=101, eos_id=101, pad_id=0)
-    owt = Config(vocab_size=50258, mask_id=50257, bos_id=None, eos_id=50256, pad_id=None)
-    assert lm1b.eos_id == lm1b.bos_id  # [CLS] twice
-    assert owt.pad_id is None
-    assert owt.max_set_size == 8
 
 
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
@@ -226,11 +239,6 @@ def test_schedule_with_d_1_gives_the_identity_order():
     assert torch.equal(order, torch.arange(32).expand(500, -1))
 
 
-def test_ar_policy_orders_left_to_right():
-    order = sample_order(tiny_cfg(order="ar"), 3, gen(3))
-    assert torch.equal(order, torch.arange(24).expand(3, -1))
-
-
 @table(
     "kw",
     {
@@ -298,6 +306,7 @@ CURVES = {  # L, d, s
     "d-equals-s": (16, 4, 4),  # k = 1: straight curves
     "d2-s7": (12, 2, 7),  # s > 2d
 }
+TIMES = torch.linspace(0, 1, 41, dtype=torch.float64)  # the times t the curves are read at
 
 
 def masking_curves(sched, t):
@@ -309,26 +318,24 @@ def masking_curves(sched, t):
 @table("L,d,s", CURVES)
 def test_mask_prob_is_the_closed_form(L, d, s):
     sched = setdiff.StaggeredSchedule(L, d, s)
-    t = torch.linspace(0, 1, 41, dtype=torch.float64)
-    want = masking_curves(sched, t)
-    assert torch.allclose(sched.mask_prob(t), want, atol=1e-12)
+    want = masking_curves(sched, TIMES)
+    assert torch.allclose(sched.mask_prob(TIMES), want, atol=1e-12)
 
 
 @table("L,d,s", CURVES)
 def test_first_hitting_times_follow_the_masking_curves(L, d, s):
     """P(T_i <= t) = m_i(t): the empirical CDF within 5 standard errors."""
     sched = setdiff.StaggeredSchedule(L, d, s)
-    t = torch.linspace(0, 1, 41, dtype=torch.float64)
-    m = masking_curves(sched, t)  # (41, L)
+    m = masking_curves(sched, TIMES)  # (41, L)
     N = 20000
     T = sched.first_hitting_times(N, gen(1))  # (N, L)
-    empirical = (T[None] <= t[:, None, None]).double().mean(1)
+    empirical = (T[None] <= TIMES[:, None, None]).double().mean(1)
     slack = 5 * torch.sqrt(m * (1 - m) / N) + 2e-3
     assert torch.all((empirical - m).abs() <= slack)
 
 
 def test_masking_curve_of_d_1_is_a_step():
-    hard = setdiff.StaggeredSchedule(9, 1).mask_prob(torch.linspace(0, 1, 41))
+    hard = setdiff.StaggeredSchedule(9, 1).mask_prob(TIMES)
     assert set(hard.unique().tolist()) == {0.0, 1.0}
     assert torch.all(hard.diff(dim=0) >= 0)
 
@@ -420,23 +427,13 @@ def test_rotary_sees_only_relative_positions():
     assert torch.allclose(shifted, z, atol=1e-4)
 
 
-# the authors' pieces: tanh GELU, LayerNorm without bias, a zero head with a bias, dropout on
-# residual branches only, the rotary table in float32 as pos * 1 / 10000^(2i/hd)
-def test_layer_norms_have_no_bias_and_the_head_has_one():
-    names = dict(SetDiffusionLM(tiny_cfg()).named_parameters())
-    assert "head.bias" in names
-    assert not any(n.endswith("ln1.bias") or n == "ln_f.bias" for n in names)
-
-
+# the authors' pieces: a zero head, dropout on residual branches only, the rotary table in float32
+# as pos * 1 / 10000^(2i/hd). The tanh GELU, LayerNorm without bias and the head's bias are
+# checked by the released models' forward (test_a_released_model_matches_the_authors_forward).
 def test_head_starts_at_zero():
     head = SetDiffusionLM(tiny_cfg()).head
     assert torch.all(head.bias == 0)
     assert torch.all(head.weight == 0)
-
-
-def test_mlp_uses_the_tanh_gelu():
-    model = SetDiffusionLM(tiny_cfg())
-    assert model.blocks[0].mlp[1].approximate == "tanh"
 
 
 def test_dropout_sits_on_residual_branches_only():
@@ -446,13 +443,11 @@ def test_dropout_sits_on_residual_branches_only():
 
 
 def test_rotary_table_is_the_authors_float32_recipe():
-    """Angles position / 10000^(2i/hd): close to float64, equal to the authors' float32 table."""
+    """Angles position / 10000^(2i/hd), equal to the authors' float32 table."""
     model = SetDiffusionLM(tiny_cfg())
-    exponent = torch.arange(0, 16, 2) / 16
-    exact = torch.arange(24.0, dtype=torch.float64)[:, None] / 10000**exponent
-    assert torch.allclose(model.cos.double(), exact.cos(), atol=1e-6)
     authors = torch.outer(torch.arange(24).float(), authors_inv_freq(16))
     assert torch.equal(model.sin, authors.sin())
+    assert torch.equal(model.cos, authors.cos())
 
 
 # ---- two-stream forward, loss, bound --------------------------------------------------------
@@ -483,17 +478,17 @@ def test_position_logits_equal_one_query_forwards():
 
 
 def padded_rows(cfg):
-    """Three rows: whole, padded after 15 tokens, padded after 5."""
+    """Three rows: whole, padded after 15 tokens, padded after 5 -> (rows, an order each)."""
     x = random_rows(cfg, 3)
     x[1, 15:] = cfg.pad_id
     x[2, 5:] = cfg.pad_id
-    return x
+    order = sample_order(cfg, 3, gen(7), pad=x == cfg.pad_id)
+    return x, order
 
 
 def test_loss_is_the_mean_nll_over_real_tokens_by_hand():
     model = tiny_model()
-    x = padded_rows(model.cfg)
-    order = sample_order(model.cfg, 3, gen(7), pad=x == model.cfg.pad_id)
+    x, order = padded_rows(model.cfg)
     real = x != model.cfg.pad_id  # the slot of position 0 is scored in training
     per_row = torch.tensor(nll_of(model, x, order, real)) / real.sum(1)
     loss = setdiff.set_factorized_loss(model, x, order)
@@ -502,8 +497,7 @@ def test_loss_is_the_mean_nll_over_real_tokens_by_hand():
 
 def test_a_padded_row_predicts_like_the_row_without_padding():
     model = tiny_model()
-    x = padded_rows(model.cfg)
-    order = sample_order(model.cfg, 3, gen(7), pad=x == model.cfg.pad_id)
+    x, order = padded_rows(model.cfg)
     padded = setdiff.position_logits(model, x, order)[2, :5]
     alone = setdiff.position_logits(model, x[2:3, :5], order[2:3, :5])[0]
     assert torch.allclose(padded, alone, atol=1e-5)
@@ -518,14 +512,16 @@ def test_no_empty_rows_lets_an_empty_row_attend_everything():
 def test_padded_training_step_attends_something_in_every_row():
     model = tiny_model().train()
     model.forward = mock.Mock(wraps=model.forward)
-    setdiff.set_factorized_loss(model, padded_rows(model.cfg), generator=gen(0))
+    x, _ = padded_rows(model.cfg)
+    setdiff.set_factorized_loss(model, x, generator=gen(0))  # orders of its own
     attn = model.forward.call_args.args[2]
     assert attn.any(-1).all()  # no query row attends nothing
 
 
 def test_padded_training_step_has_finite_gradients():
     model = tiny_model().train()
-    loss = setdiff.set_factorized_loss(model, padded_rows(model.cfg), generator=gen(0))
+    x, _ = padded_rows(model.cfg)
+    loss = setdiff.set_factorized_loss(model, x, generator=gen(0))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(torch.isfinite(g).all() for g in grads)
@@ -623,6 +619,12 @@ def test_bound_of_k_orders_is_the_mean_over_replayed_orders(batch_size):
     assert abs(res.nll - nll.sum()) < 1e-3
 
 
+def test_bound_does_not_depend_on_the_batch_size():
+    model, x, _, _ = uniform_replay()
+    nll = [elbo(model, x, 4, b, gen(3)).nll for b in (1, 3, 4)]
+    assert max(nll) - min(nll) < 1e-9
+
+
 def test_bound_standard_error_is_that_of_the_pooled_rate():
     """The standard error of sum(NLL) / sum(tokens) across rows (a ratio estimator)."""
     model, x, nll, n = uniform_replay()
@@ -633,45 +635,15 @@ def test_bound_standard_error_is_that_of_the_pooled_rate():
     assert abs(res.se - se) < 1e-6
 
 
-def test_bound_does_not_depend_on_the_batch_size():
-    model, x, _, _ = uniform_replay()
-    nll = [elbo(model, x, num_orders=4, batch_size=b, generator=gen(3)).nll for b in (1, 3, 4)]
-    assert max(nll) - min(nll) < 1e-9
-
-
-def test_owt_bound_never_scores_position_0():
-    """OWT rows: no BOS, no PAD; position 0 holds any token, comes first, and is not scored."""
-    owt = tiny_model(bos_id=None, pad_id=None, eos_id=258)
-    x = torch.randint(0, 256, (3, 24), generator=gen(8))
-    x[:, 7] = 258
-    res = elbo(owt, x, num_orders=2, generator=gen(1))
-    g = gen(1)
-    orders = [sample_order(owt.cfg, 3, g) for _ in range(2)]
-    want = sum(sum(nll_of(owt, x, order, NOT_FIRST)) for order in orders) / 2
-    assert res.tokens_scored == 3 * 23
-    assert abs(res.nll - want) < 1e-3
-
-
-def test_lm1b_bound_scores_the_cls_sentence_ends():
-    """LM1B rows: [CLS] both opens the row and ends sentences; those EOS targets are scored."""
-    lm1b = tiny_model(eos_id=257)  # BOS = EOS
-    y = random_rows(lm1b.cfg, 2)
-    y[:, [9, 23]] = 257
-    res = elbo(lm1b, y, generator=gen(2))
-    order = sample_order(lm1b.cfg, 2, gen(2))
-    want = sum(nll_of(lm1b, y, order, NOT_FIRST))
-    assert res.tokens_scored == 2 * 23  # the sentence ends are targets, position 0 is not
-    assert abs(res.nll - want) < 1e-3
-
-
 def span_bound():
     """The bound of the span 10..11 given the rest, 400 one-order draws of one row (float64)."""
     N = 400
     model = tiny_model(order="uniform", dtype=torch.float64)
     x = random_rows(model.cfg, 1, seed=9)
-    given = (torch.arange(24) < 10) | (torch.arange(24) > 11)
-    res = elbo(model, x.expand(N, -1), batch_size=N, generator=gen(4), given=given.expand(N, -1))
-    order = sample_order(model.cfg, N, gen(4), given=given.expand(N, -1))  # the same draws
+    outside = (torch.arange(24) < 10) | (torch.arange(24) > 11)
+    given = outside.expand(N, -1)  # in every draw
+    res = elbo(model, x.expand(N, -1), batch_size=N, generator=gen(4), given=given)
+    order = sample_order(model.cfg, N, gen(4), given=given)  # the same draws
     return model, x, res, order
 
 
@@ -680,24 +652,13 @@ def test_infill_bound_scores_only_the_span():
     assert res.tokens_scored == 2 * 400
 
 
-def test_infill_orders_put_the_context_first():
-    _, _, _, order = span_bound()
-    context = [p for p in range(24) if p not in (10, 11)]
-    assert torch.equal(order[:, :22], torch.tensor(context).expand(400, -1))
-
-
 def test_infill_bound_mixes_both_chain_rule_orders():
     """The bound is the mix, in the proportions drawn, of both chains p(first | context)
     p(second | context, first), each term a one-query forward."""
     model, x, res, order = span_bound()
     context = [p for p in range(24) if p not in (10, 11)]
-
-    def nll(revealed, target):
-        z = one_query_logits(model, x, revealed, target)
-        return -torch.log_softmax(z, -1)[x[0, target]].item()
-
-    first_10 = nll(context, 10) + nll(context + [10], 11)
-    first_11 = nll(context, 11) + nll(context + [11], 10)
+    first_10 = chain_nll(model, x[0], context, [10, 11])
+    first_11 = chain_nll(model, x[0], context, [11, 10])
     share = (order[:, 22] == 10).double().mean().item()
     assert 0.4 < share < 0.6  # both orders occur
     mix = share * first_10 + (1 - share) * first_11
@@ -711,6 +672,7 @@ DRAWS = {  # temperature, top-p -> draw frequencies, confidence of each token
     "top-p-0.7-keeps-two": (1.0, 0.7, [0.625, 0.375, 0, 0], [0.625, 0.375, 0, 0]),
     "top-p-0.5-keeps-one": (1.0, 0.5, [1, 0, 0, 0], [1, 0, 0, 0]),
     "greedy": (0.0, 1.0, [1, 0, 0, 0], [0.5, 0, 0, 0]),  # confidence: the plain softmax
+    "greedy-top-p-0.7": (0.0, 0.7, [1, 0, 0, 0], [0.625, 0, 0, 0]),  # renormalised: the authors'
     "temperature-2": (2.0, 1.0, ROOTS, ROOTS),
 }
 
@@ -771,23 +733,8 @@ def test_zero_head_predicts_uniformly_over_all_but_mask():
     assert math.isclose(loss.item(), math.log(cfg.vocab_size - 1), rel_tol=1e-6)
 
 
-def mask_loving_model():
-    """A model whose head pushes hard towards MASK."""
-    model = tiny_model()
-    with torch.no_grad():
-        model.head.bias[model.cfg.mask_id] = 50.0
-    return model
-
-
-def test_training_forward_gives_mask_zero_probability():
-    model = mask_loving_model()
-    x = random_rows(model.cfg, 2)
-    logits = setdiff.position_logits(model, x, sample_order(model.cfg, 2, gen(0)))
-    assert torch.all(F.softmax(logits, -1)[..., model.cfg.mask_id] == 0)
-
-
 def test_generation_never_emits_mask():
-    model = mask_loving_model()
+    model = biased_model({BYTES.mask_id: 50.0})
     out = generate(model, batch_size=2, generator=gen(0))
     assert not (out.tokens == model.cfg.mask_id).any()
 
@@ -870,7 +817,7 @@ def generated(policy, decoding, start, use_cache=True):
 
 STARTS = ("unconditional", "prompt", "infill")
 GRID = [(p, t, s) for p in POLICIES for t in TEMPERATURES for s in STARTS]
-on_grid = pytest.mark.parametrize("policy,decoding,start", GRID, ids=["-".join(c) for c in GRID])
+on_grid = table("policy,decoding,start", {"-".join(c): c for c in GRID})
 
 
 @on_grid
@@ -927,9 +874,8 @@ def test_each_draw_is_the_training_forward_given_the_final_order(
     model = tiny_model(dtype=torch.float64, order=order, set_size=set_size)
     spy = mock.Mock(wraps=setdiff.draw_candidates)  # records every draw's logits
     monkeypatch.setattr(setdiff, "draw_candidates", spy)
-    prompt = torch.tensor([65, 66])
     out = generate(
-        model, prompt, batch_size=2, window=window, generator=gen(15), use_cache=use_cache
+        model, [65, 66], batch_size=2, window=window, generator=gen(15), use_cache=use_cache
     )
     seen = [call.args[0] for call in spy.call_args_list]
     assert len(seen) == out.calls == 21
@@ -999,11 +945,6 @@ def test_a_batched_row_generates_as_it_would_alone(row):
     assert alone.calls == batched.row_calls[row]
 
 
-def test_calls_count_the_slowest_row():
-    out = holey_rows(tiny_model())
-    assert out.calls == int(out.row_calls.max())
-
-
 def greedy_rows(threshold):
     """Two greedy rows of 23 new tokens, window 3."""
     model = tiny_model()
@@ -1034,28 +975,59 @@ def test_every_call_reveals_a_token_in_every_row():
         assert {c for c in row if c >= 0} == set(range(n))
 
 
+def test_the_cache_has_slots_for_the_longest_call_only(monkeypatch):
+    """Window 2, L = 24: the first call feeds the P = 17 given tokens (BOS + prompt) and 2
+    queries, a later one at most 2 + 2: max(P, w) + w slots beside the L positions."""
+    spy = mock.Mock(wraps=setdiff.KVCache)
+    monkeypatch.setattr(setdiff, "KVCache", spy)
+    generate(tiny_model(), prompt=[65] * 16, window=2)
+    assert spy.call_args.args[3] == 19  # max_call = max(17, 2) + 2
+
+
+def biased_model(logits):
+    """Every query's logits are `logits` {id: logit}, -10 elsewhere: the head's bias alone."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.head.bias.fill_(-10.0)
+        for i, logit in logits.items():
+            model.head.bias[i] = logit
+    return model
+
+
+REPEATS = {  # greedy, one token a call, penalty 2 -> the text after BOS
+    "prompt-divides": (dict(prompt=[65], max_new_tokens=4), {65: 3.0, 66: 2.0}, "AABAA"),
+    "infill-multiplies": (dict(infill=[257, 259, 259, 259, 65]), {65: -1.0, 66: -1.5}, "BAAA"),
+}
+
+
+@table("kw,logits,text", REPEATS)
+def test_repetition_penalty_steers_greedy_decoding_as_by_hand(kw, logits, text):
+    """By hand. After a prompt only generated tokens count: A (3) first, then B (2) above A's
+    1.5, then A's 1.5 above B's 1 (once per id). Infilling counts the given right context:
+    A's -1 falls to -2 below B's -1.5 at once, then B's to -3."""
+    model = biased_model(logits)
+    out = generate(model, window=1, temperature=0.0, repetition_penalty=2.0, **kw)
+    assert bytes(out.tokens[0, 1:].tolist()).decode() == text
+
+
 @table(
     "kw,match",  # staggered d = 3, s = 6: the largest window is 6
     {
-        "window-0": (dict(window=0), "--window must be in"),
         "window-over-s": (dict(window=7), r"--window must be in \[1, 6\]"),
         "prompt-over-L": (dict(prompt=torch.arange(30)), "--prompt is 31 tokens"),
         "too-many-new": (dict(prompt=torch.arange(10), max_new_tokens=20), "--max-new-tokens"),
         "infill-without-mask": (dict(infill=torch.arange(10)), "--infill has no MASK"),
-        "prompt-with-mask": (dict(prompt=torch.tensor([1, 259])), "contains MASK"),
-        "prompt-and-infill": (dict(prompt=torch.tensor([1]), infill=torch.tensor([259])), "both"),
-        "id-over-V": (dict(prompt=torch.tensor([1, 999])), "ids must lie in"),
-        "negative-id": (dict(prompt=torch.tensor([-1])), "ids must lie in"),
+        "prompt-with-mask": (dict(prompt=[1, 259]), "contains MASK"),
+        "prompt-and-infill": (dict(prompt=[1], infill=[259]), "both"),
+        "negative-id": (dict(prompt=[-1]), "ids must lie in"),  # it would index from the end
         "temperature-nan": (dict(temperature=math.nan), "--temperature"),
         "temperature-negative": (dict(temperature=-1.0), "--temperature must be >= 0"),
         "top-p-0": (dict(top_p=0.0), "--top-p must be in"),
-        "top-p-over-1": (dict(top_p=1.5), "--top-p must be in"),
         "threshold-nan": (dict(threshold=math.nan), "--threshold must be a number"),
-        "rows-for-batch": (dict(prompt=torch.ones(3, 2).long(), batch_size=2), "--batch-size"),
-        "bos-in-some-rows": (
-            dict(prompt=torch.tensor([[257, 5], [5, 5]]), batch_size=2),
-            "some rows start",
-        ),
+        "penalty-0": (dict(repetition_penalty=0.0), "--repetition-penalty must be > 0"),
+        "rows-for-batch": (dict(prompt=[[1, 1]] * 3, batch_size=2), "--batch-size"),
+        "bos-in-some-rows": (dict(prompt=[[257, 5], [5, 5]], batch_size=2), "some rows start"),
     },
 )
 def test_generate_rejects_a_bad_argument(kw, match):
@@ -1064,18 +1036,13 @@ def test_generate_rejects_a_bad_argument(kw, match):
 
 
 def eos_model():
-    """Every query predicts EOS with probability ~1 (the head's bias)."""
-    model = tiny_model()
-    with torch.no_grad():
-        model.head.weight.zero_()
-        model.head.bias.zero_()
-        model.head.bias[model.cfg.eos_id] = 30.0
-    return model
+    """Every query predicts EOS with probability ~1."""
+    return biased_model({BYTES.eos_id: 30.0})
 
 
 def eos_after_prompt():
     """Greedy, stopping at EOS, after a prompt that holds an EOS."""
-    prompt = torch.tensor([BYTES.eos_id, 70, 71])
+    prompt = [BYTES.eos_id, 70, 71]
     return generate(eos_model(), prompt=prompt, temperature=0.0, stop_at_eos=True)
 
 
@@ -1092,17 +1059,11 @@ def test_a_stopped_row_is_padded_and_marked_erased():
     assert torch.all(out.reveal_call[0, 5:] == setdiff.ERASED)
 
 
-@table(
-    "kw,kept",
-    {
-        "window-3": (dict(prompt=torch.tensor([BYTES.eos_id, 70, 71])), [1]),
-        "window-6": (dict(batch_size=2, window=6, threshold=0.0), [1, 1]),
-    },
-)
-def test_tokens_per_call_counts_only_the_kept_tokens(kw, kept):
-    """One call revealed a whole window of EOS but keeps 1: 1 token a call."""
-    out = generate(eos_model(), temperature=0.0, stop_at_eos=True, **kw)
-    assert out.new_tokens.tolist() == kept
+def test_tokens_per_call_counts_only_the_kept_tokens():
+    """One call revealed a whole window of EOS in each row but keeps 1: 1 token a call."""
+    whole_window = dict(batch_size=2, window=6, threshold=0.0)
+    out = generate(eos_model(), temperature=0.0, stop_at_eos=True, **whole_window)
+    assert out.new_tokens.tolist() == [1, 1]
     assert out.tokens_per_call == 1.0
 
 
@@ -1198,16 +1159,21 @@ def test_without_bos_sampling_starts_a_document():
 
 def test_without_bos_a_prompt_starts_the_row():
     model = tiny_model(bos_id=None, pad_id=None)
-    out = generate(model, prompt=torch.tensor([65, 66]), temperature=0.0, max_new_tokens=3)
+    out = generate(model, prompt=[65, 66], temperature=0.0, max_new_tokens=3)
     assert out.tokens[0, :2].tolist() == [65, 66]
     assert out.tokens.shape == (1, 5)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
-def full_disk(obj, f, *args, **kwargs):
-    """torch.save on a full disk: part of the file written, then a RuntimeError."""
-    open(f, "wb").write(b"partial")
-    raise RuntimeError("PytorchStreamWriter failed writing file data/0: (No space left on device)")
+@contextlib.contextmanager
+def full_disk(path, mode="r"):
+    """open() on a full disk (patch setdiff.open): reads work; a write stops at ENOSPC."""
+    with io.open(path, mode) as f:
+        if "r" in mode:
+            yield f
+            return
+        f.write(b"partial")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def saved(tmp_path):
@@ -1218,39 +1184,33 @@ def saved(tmp_path):
     return model, path
 
 
-def test_checkpoint_round_trips_config_tokenizer_and_extras(tmp_path):
+def test_checkpoint_round_trips_config_tokenizer_weights_and_extras(tmp_path):
     model, path = saved(tmp_path)
     loaded, tok, ckpt = load_checkpoint(path)
     assert loaded.cfg == model.cfg
     assert tok.spec() == BYTES.spec()
     assert ckpt["step"] == 7
-
-
-def test_a_loaded_checkpoint_predicts_as_the_saved_model(tmp_path):
-    model, path = saved(tmp_path)
-    loaded = load_checkpoint(path)[0].eval()
-    x = random_rows(model.cfg, 2)
-    order = sample_order(model.cfg, 2, gen(12))
-    want = setdiff.position_logits(model, x, order)
-    assert torch.equal(setdiff.position_logits(loaded, x, order), want)
+    for name, w in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], w)
 
 
 def test_a_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     model, path = saved(tmp_path)
     before = path.read_bytes()
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError, match="No space left on device"):
+    monkeypatch.setattr(setdiff, "open", full_disk, raising=False)
+    with pytest.raises(OSError, match=f"could not write {path}: the disk is full"):
         setdiff.save_checkpoint(path, model, BYTES, step=8)
     assert path.read_bytes() == before
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left
 
 
 BAD_CHECKPOINTS = {
-    "cut.pt": "not a readable checkpoint",
-    "junk.pt": "not a readable checkpoint",
-    "other.pt": "not a setdiff checkpoint",
+    "cut.pt": "damaged",
+    "damaged.pt": "damaged",  # 4 KB of random bytes in the middle
+    "junk.pt": "not a setdiff checkpoint",
+    "torch-file.pt": "not a setdiff checkpoint, or an older setdiff's",
     "newer.pt": "does not match",
-    "old.pt": "older setdiff",
+    "non-finite.pt": "weight head.bias is not finite",
     "missing.pt": "not found",
 }
 
@@ -1260,12 +1220,16 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     _, path = saved(tmp_path)
     good = path.read_bytes()
     ckpt = load_checkpoint(path)[2]
-    (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
+    half = len(good) // 2
+    (tmp_path / "cut.pt").write_bytes(good[:half])
+    damaged = good[:half] + random.Random(0).randbytes(4096) + good[half + 4096 :]
+    (tmp_path / "damaged.pt").write_bytes(damaged)
     (tmp_path / "junk.pt").write_bytes(b"hello")
-    torch.save({"weights": 1}, tmp_path / "other.pt")
+    torch.save(ckpt, tmp_path / "torch-file.pt")
     newer = ckpt["config"] | {"flash": True}
-    torch.save(ckpt | {"config": newer}, tmp_path / "newer.pt")
-    torch.save(ckpt | {"format": "setdiff-checkpoint-1"}, tmp_path / "old.pt")
+    setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
+    weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
+    setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
     with pytest.raises(ValueError, match=BAD_CHECKPOINTS[name]):
         load_checkpoint(tmp_path / name)
 
@@ -1437,12 +1401,15 @@ def write_safetensors(path, tensors):
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
-def lm1b_folder(tmp_path, weights="bin", L=16, d=4):
-    """A released LM1B folder (V = 24, D = 16, 2 heads, 2 layers) -> (folder, weights)."""
+def lm1b_folder(tmp_path, weights="bin", L=16, d=4, changes=None, noise=None, **backbone):
+    """A released LM1B folder (V = 24, D = 16, 2 heads, 2 layers) -> (folder, weights), with
+    `changes` to config.json, `noise` to its noise_config, `backbone` to its backbone_config."""
     V = len(VOCAB)
     folder = tmp_path / f"lm1b-{weights}"
     folder.mkdir(exist_ok=True)
-    spec = authors_config(V, L, 16, 2, 2, d, VOCAB.index("[MASK]"))
+    spec = authors_config(V, L, 16, 2, 2, d, VOCAB.index("[MASK]"), **backbone)
+    spec |= changes or {}
+    spec["noise_config"] |= noise or {}
     (folder / "config.json").write_text(json.dumps(spec, indent=2))
     write_vocab(folder / "vocab.txt")
     sd = authors_weights(V, L, 16, 2)
@@ -1488,8 +1455,7 @@ def test_a_released_model_matches_the_authors_forward(released):
     x = lm1b_rows()
     order = sample_order(model.cfg, 3, gen(1))
     want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
-    logp = torch.log_softmax(setdiff.position_logits(model, x, order), -1)
-    got = -logp.gather(-1, x[..., None])[..., 0]  # position order
+    got = position_nll(model, x, order).float()  # position order
     assert torch.allclose(got.gather(1, order), want, atol=2e-5)
 
 
@@ -1499,7 +1465,7 @@ def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
     x = lm1b_rows()
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 3, gen(1)), 4)
     res = elbo(model, x, generator=gen(1))
-    assert res.tokens_scored == 3 * 15
+    assert res.tokens_scored == 3 * 15  # the [CLS] ending a sentence is a target, slot 0 not
     assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
 
 
@@ -1511,10 +1477,7 @@ def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
     },
 )
 def test_a_released_max_block_size_sets_s(tmp_path, given, s):
-    folder, _ = lm1b_folder(tmp_path, L=32, d=4)
-    spec = json.loads((folder / "config.json").read_text())
-    spec["noise_config"]["max_block_size"] = given
-    (folder / "config.json").write_text(json.dumps(spec))
+    folder, _ = lm1b_folder(tmp_path, L=32, noise=dict(max_block_size=given))
     assert load_checkpoint(folder)[0].cfg.max_set_size == s
 
 
@@ -1534,13 +1497,9 @@ OTHER_MODELS = {  # config.json changes, backbone_config changes, the refusal
 }
 
 
-@table("spec,net,match", OTHER_MODELS)
-def test_load_refuses_a_folder_of_another_model(tmp_path, spec, net, match):
-    folder, _ = lm1b_folder(tmp_path)
-    base = json.loads((folder / "config.json").read_text())
-    spec = base | spec
-    spec["backbone_config"] = base["backbone_config"] | net
-    (folder / "config.json").write_text(json.dumps(spec))
+@table("changes,net,match", OTHER_MODELS)
+def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
+    folder, _ = lm1b_folder(tmp_path, changes=changes, **net)
     with pytest.raises(ValueError, match=match):
         load_checkpoint(folder)
 
@@ -1550,6 +1509,7 @@ def test_load_refuses_a_folder_of_another_model(tmp_path, spec, net, match):
     {
         "extra-backbone-weight": ({"backbone.extra.weight": torch.zeros(2)}, "do not fit"),
         "weight-outside-backbone": ({"sigma_map.weight": torch.zeros(2)}, "unknown weight"),
+        "non-finite": ({"backbone.output_layer.norm_final.weight": torch.ones(16) / 0}, "ln_f"),
     },
 )
 def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
@@ -1559,17 +1519,28 @@ def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
         load_checkpoint(folder)
 
 
-def test_load_refuses_a_folder_without_weights(tmp_path):
+@table(
+    "name,content,match",
+    {
+        "no-weights": ("pytorch_model.bin", None, "has no weights"),
+        "config-not-json": ("config.json", "{not json", "not JSON"),
+        "no-tokenizer-files": ("vocab.txt", None, "no vocab.txt .BERT. nor vocab.json"),
+    },
+)
+def test_load_refuses_a_broken_released_folder(tmp_path, name, content, match):
     folder, _ = lm1b_folder(tmp_path)
-    (folder / "pytorch_model.bin").unlink()
-    with pytest.raises(ValueError, match="has no weights"):
+    (folder / name).unlink()
+    if content:
+        (folder / name).write_text(content)
+    with pytest.raises(ValueError, match=match):
         load_checkpoint(folder)
 
 
-def test_load_refuses_a_config_that_is_not_json(tmp_path):
-    folder, _ = lm1b_folder(tmp_path)
-    (folder / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not JSON"):
+@pytest.mark.parametrize("key", ["k", "b"])
+def test_a_released_schedule_shape_k_or_b_is_refused(tmp_path, key):
+    """The authors' schedule takes k (or b) from noise_config; setdiff derives them from d, s."""
+    folder, _ = lm1b_folder(tmp_path, noise={"k": None, "b": None, key: 0.5})
+    with pytest.raises(ValueError, match=f"noise_config sets {key}:"):
         load_checkpoint(folder)
 
 
@@ -1579,18 +1550,21 @@ def test_load_refuses_a_folder_without_config_json(tmp_path):
 
 
 # ---- text -> rows ---------------------------------------------------------------------------
+DOC = b"def f():\r\n    return 1\n\n<|endoftext|>\n\n  x = f()\n"
+
+
 @table(
-    "raw,text",
+    "kind,data,docs,lines,bad",
     {
-        "plain": (b"hello world", "hello world"),
-        "windows-line-end": (b"hello\r", "hello"),
-        "blank": (b" \r", ""),
-        "not-utf-8": (b"caf\xe9", None),
-        "nul-byte": (b"a\x00b", None),
+        "lines": ("bytes", b" hello world\r\n \nnext", ["hello world", "next"], 2, 0),
+        "not-utf-8-or-nul": ("bytes", b"caf\xe9\na\x00b\nok\n", ["ok"], 1, 2),
+        "bpe-documents": ("bpe", DOC, ["def f():\n    return 1\n", "\n  x = f()"], 4, 0),
+        "bpe-skips-a-bad-line": ("bpe", b"a\n\xff\nb\n", ["a\nb"], 2, 1),
+        "bpe-blank-document": ("bpe", b" \n<|endoftext|>\n", [], 1, 0),
     },
 )
-def test_line_text(raw, text):
-    assert setdiff.line_text(raw) == text
+def test_documents_of_a_file(tokenizers, kind, data, docs, lines, bad):
+    assert setdiff.documents(tokenizers[kind], data) == (docs, lines, bad)
 
 
 @table(
@@ -1724,7 +1698,8 @@ SPECIAL_IDS = {  # V, PAD, BOS, EOS, MASK, UNK
 def test_tokenizer_size_and_special_ids(tokenizers, kind):
     t = tokenizers[kind]
     assert t.kind == kind
-    assert (t.vocab_size, t.pad_id, t.bos_id, t.eos_id, t.mask_id, t.unk_id) == SPECIAL_IDS[kind]
+    ids = (t.vocab_size, t.pad_id, t.bos_id, t.eos_id, t.mask_id, t.unk_id)
+    assert ids == SPECIAL_IDS[kind]
 
 
 @table(
@@ -1813,26 +1788,21 @@ def test_an_owt_folder_has_no_bos_and_no_pad(owt_folder):
 
 
 def test_an_owt_bound_matches_the_authors_forward(owt_folder):
+    """No BOS, no PAD: position 0 holds any token, comes first and is not scored."""
     folder, sd = owt_folder
     model = load_checkpoint(folder)[0].eval()
-    x = torch.randint(0, 19, (2, 16), generator=gen(3))  # position 0: any token, not BOS
+    x = torch.randint(0, 19, (2, 16), generator=gen(3))  # EOS (18) may fall anywhere
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 2, gen(4)), 19)
     res = elbo(model, x, generator=gen(4))
+    assert res.tokens_scored == 2 * 15
     assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
-
-
-def test_owt_sampling_starts_with_endoftext(owt_folder):
-    model, owt_tok, _ = load_checkpoint(owt_folder[0])
-    out = generate(model, batch_size=2, temperature=0.0)
-    assert torch.all(out.tokens[:, 0] == 18)
-    assert owt_tok.decode(out.tokens[0]).startswith("<|endoftext|>")
 
 
 def test_bpe_reads_crlf_merges(bpe, tmp_path):
     merges = tmp_path / "merges.txt"
     merges.write_text(TINY_MERGES.replace("\n", "\r\n"))
     crlf = Tokenizer.from_bpe(tmp_path / "vocab.json", merges)
-    assert crlf.encode(" abc") == bpe.encode(" abc") == [13, 11]
+    assert crlf.encode(" abc") == [13, 11]  # as with LF (test_bpe_encode_and_round_trip)
 
 
 ONE_PIECE = json.dumps({"a": 0, "<|endoftext|>": 1})
@@ -1913,6 +1883,32 @@ def test_bpe_encode_and_round_trip(bpe, text, ids):
     assert bpe.decode(ids) == text
 
 
+def test_bpe_of_a_20000_letter_word_is_not_quadratic():
+    """~2,600 merges that rebuild 400 random 16-letter words by halves; a word of their tails.
+    A scan of the word per rank takes seconds."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefgh", k=16)) for _ in range(400)]
+    merges = []
+    for h in (1, 2, 4, 8):
+        for w in words:
+            merges += [(w[i : i + h], w[i + h : i + 2 * h]) for i in range(0, 16, 2 * h)]
+    merges = list(dict.fromkeys(merges))
+    pieces = list("abcdefgh") + ["".join(m) for m in merges] + ["<|endoftext|>"]
+    tok = Tokenizer("bpe", pieces, merges)
+    tok.encode("a")  # the pre-tokenizer's pattern is built on first use
+    word = "".join(rng.choice(words)[rng.randrange(16) :] for _ in range(2500))
+    start = time.perf_counter()
+    tok.encode(word[:20000])
+    assert time.perf_counter() - start < 1.5
+
+
+def test_the_word_memo_is_bounded(bpe, monkeypatch):
+    monkeypatch.setattr(setdiff, "WORD_MEMO", 10)
+    tok = Tokenizer.from_spec(bpe.spec())
+    tok.encode(" ".join(f"{n:b}".replace("0", "2") for n in range(100)))  # 100 words
+    assert tok.word_ids.cache_info().currsize == 10
+
+
 # ---- text -> rows: the LM1B detokenizer, line ids, row wrapping ----------------------------
 BOS = BYTES.bos_id
 EOS = BYTES.eos_id
@@ -1943,63 +1939,39 @@ def ids_of(pieces):
     return [VOCAB.index(piece) for piece in pieces.split()]
 
 
-def test_line_ids_detokenize_a_wordpiece_line(tmp_path):
+def test_document_ids_detokenize_a_wordpiece_line(tmp_path):
     tok = Tokenizer.from_vocab(write_vocab(tmp_path / "vocab.txt"))
     # "£ 5" detokenized is "£5": "£" is no BERT punctuation, so "5" continues the word (##5)
-    assert setdiff.line_ids(tok, "It costs £ 5 .") == ids_of("it costs £ ##5 . [CLS]")
+    assert setdiff.document_ids(tok, "It costs £ 5 .") == ids_of("it costs £ ##5 . [CLS]")
     assert tok.encode("It costs £ 5 .") == ids_of("it costs £ 5 .")  # encode does not
 
 
-def test_line_ids_keep_a_byte_line_as_it_is():
-    assert setdiff.line_ids(BYTES, "a , b") == [*b"a , b", EOS]
+def test_document_ids_keep_a_byte_line_as_it_is():
+    assert setdiff.document_ids(BYTES, "a , b") == [*b"a , b", EOS]
 
 
 B_, E_ = 1000, 1001  # BOS and EOS of the wrap_rows cases
 
 
-def test_wrap_rows_cuts_the_stream_into_bos_chunk_eos():
-    """Sentences 1 2 | 3 4 5 | 6 | 7 8 9 10, each + EOS, in chunks of L - 2 = 4."""
-    first = [1, 2, E_, 3, 4, 5, E_]
-    then = [6, E_, 7, 8, 9, 10, E_]
-    rows, left = setdiff.wrap_rows(first + then, 6, B_, E_)
-    assert rows.dtype == np.uint16
-    assert rows.tolist() == [
-        [B_, 1, 2, E_, 3, E_],  # 1 2 $ 3
-        [B_, 4, 5, E_, 6, E_],  # 4 5 $ 6
-        [B_, E_, 7, 8, 9, E_],  # $ 7 8 9
-    ]
-    assert left.tolist() == [10, E_]
+SENTENCES = [1, 2, E_, 3, 4, 5, E_, 6, E_, 7, 8, 9, 10, E_]  # each + EOS ($)
+WRAPPED = [[B_, 1, 2, E_, 3, E_], [B_, 4, 5, E_, 6, E_], [B_, E_, 7, 8, 9, E_]]  # 12$3 45$6 $789
+CLS_ROWS = [[101, 5, 6, 101], [101, 101, 7, 101], [101, 101, 8, 101]]  # 5 6 | $ 7 | $ 8
 
 
-def test_wrap_rows_leftover_starts_the_next_call():
-    stream = [10, E_, 11, E_]  # what was left, then 11 $
-    rows, left = setdiff.wrap_rows(stream, 6, B_, E_)
-    assert rows.tolist() == [[B_, 10, E_, 11, E_, E_]]
-    assert left.tolist() == []
-
-
-def test_wrap_rows_of_a_short_stream_is_no_row():
-    rows, _ = setdiff.wrap_rows([1, 2], 6, B_, E_)
-    assert rows.shape == (0, 6)
-
-
-def test_wrap_rows_with_cls_as_bos_and_eos():
-    """[CLS] (101) after every sentence, and around every row."""
-    stream = [5, 6, 101, 7, 101, 8]  # 5 6 $ 7 $ 8
-    rows, left = setdiff.wrap_rows(stream, 4, 101, 101)
-    assert rows.tolist() == [
-        [101, 5, 6, 101],  # 5 6
-        [101, 101, 7, 101],  # $ 7
-        [101, 101, 8, 101],  # $ 8
-    ]
-    assert left.tolist() == []
-
-
-def test_wrap_rows_without_bos_are_plain_chunks():
-    stream = [1, 2, 3, 4, 5, 6, 7]
-    rows, left = setdiff.wrap_rows(stream, 3, None, 9)
-    assert rows.tolist() == [[1, 2, 3], [4, 5, 6]]
-    assert left.tolist() == [7]
+@table(
+    "stream,seq_len,bos,eos,rows,left",
+    {
+        "bos-chunk-eos": (SENTENCES, 6, B_, E_, WRAPPED, [10, E_]),  # chunks of L - 2 = 4
+        "short-stream": ([1, 2], 6, B_, E_, [], [1, 2]),
+        "cls-as-bos-and-eos": ([5, 6, 101, 7, 101, 8], 4, 101, 101, CLS_ROWS, []),
+        "no-bos-plain-chunks": ([1, 2, 3, 4, 5, 6, 7], 3, None, 9, [[1, 2, 3], [4, 5, 6]], [7]),
+    },
+)
+def test_wrap_rows(stream, seq_len, bos, eos, rows, left):
+    wrapped, rest = setdiff.wrap_rows(stream, seq_len, bos, eos)
+    assert wrapped.dtype == np.uint16
+    assert wrapped.tolist() == rows
+    assert rest.tolist() == left
 
 
 # ---- train_small.py: prepared rows ---------------------------------------------------------
@@ -2072,10 +2044,10 @@ def test_prepared_byte_rows_are_bos_chunk_eos(byte_rows):
     assert rows["train"].dtype == np.uint16
 
 
-def test_prepared_rows_count_rows_lines_tokens_and_bytes(byte_rows):
+def test_prepared_rows_count_rows_documents_tokens_and_bytes(byte_rows):
     _, meta = byte_rows
-    train = {"rows": 3, "lines": 4, "tokens": 14, "text_bytes": 14}
-    val = {"rows": 1, "lines": 2, "tokens": 7, "text_bytes": 7}
+    train = {"rows": 3, "documents": 4, "tokens": 14, "text_bytes": 14}
+    val = {"rows": 1, "documents": 2, "tokens": 7, "text_bytes": 7}
     assert meta["splits"] == {"train": train, "val": val}
 
 
@@ -2107,14 +2079,18 @@ def test_a_gpt2_tokenizer_has_eos_and_mask_only(gpt2_vocab):
     assert (tok.bos_id, tok.eos_id, tok.mask_id) == (None, 5, 6)
 
 
-def test_prepared_gpt2_rows_are_plain_chunks(gpt2_vocab, tmp_path):
-    tok = train_small.load_tokenizer(gpt2_vocab)
-    lines = ["ab", "ba ab", "ab ab", "ba"]
-    assert sides(lines) == ["train", "train", "val", "val"]
-    rows, _ = prepare(write_lines(tmp_path / "owt.txt", lines), tok, 4)
-    # train: ab E | b a Ġab E -> [3 5 1 0], [4 5] left over; val: ab Ġab E | b a E
-    assert rows["train"].tolist() == [[3, 5, 1, 0]]
-    assert rows["val"].tolist() == [[3, 4, 5, 1]]
+@table("chunk_bytes", {"one-chunk": 1 << 20, "a-chunk-a-document": 1})
+def test_prepared_gpt2_rows_are_documents_in_plain_chunks(bpe, tmp_path, monkeypatch, chunk_bytes):
+    """An <|endoftext|> line ends a document; its newlines and indentation are text: TINY_BPE's
+    ids ab 12, Ċ 17, Ġ 8, c 2, b 1, a 0, EOS 18 only after a document. L = 3."""
+    monkeypatch.setattr(train_small, "CHUNK_BYTES", chunk_bytes)
+    docs = ["ab\n\n c", "ba"]
+    assert sides(docs) == ["train", "val"]
+    path = tmp_path / "owt.txt"
+    path.write_text(f"{docs[0]}\n<|endoftext|>\n{docs[1]}\n")
+    rows, _ = prepare(path, bpe, 3)
+    assert rows["train"].tolist() == [[12, 17, 17], [8, 2, 18]]
+    assert rows["val"].tolist() == [[1, 0, 18]]
 
 
 LONG_LINE = b"x" * 300_000  # a long line stays whole
@@ -2146,7 +2122,7 @@ def test_prepared_rows_skip_bad_lines(mixed_rows, part):
 def test_prepared_rows_count_the_bad_lines(mixed_rows):
     _, meta = mixed_rows
     assert meta["bad_lines"] == 2
-    lines = [meta["splits"][part]["lines"] for part in ("train", "val")]
+    lines = [meta["splits"][part]["documents"] for part in ("train", "val")]
     assert sum(lines) == len(GOOD_LINES)
 
 
@@ -2174,7 +2150,7 @@ def test_lines_are_held_out_by_their_hash_in_order(big_rows, part):
     text = b"".join(line + b"\n" for line in expected)
     assert text.startswith(stream)
     assert len(text) - len(stream) < 30
-    assert meta["splits"][part]["lines"] == len(expected)
+    assert meta["splits"][part]["documents"] == len(expected)
 
 
 def test_workers_give_the_rows_of_one_process(big_rows, tmp_path, monkeypatch):
@@ -2209,8 +2185,8 @@ def test_the_row_cache_is_rebuilt_when_the_text_changes(tmp_path, capsys):
     rebuilt = prepare(corpus, BYTES, 32, 0.1)[1]
     assert "reusing" not in capsys.readouterr().out
     new = 20 * sides([new_line], 0.1).count("train")
-    lines = meta["splits"]["train"]["lines"]
-    assert rebuilt["splits"]["train"]["lines"] == lines + new
+    lines = meta["splits"]["train"]["documents"]
+    assert rebuilt["splits"]["train"]["documents"] == lines + new
     assert rebuilt["sources"][0]["size"] == corpus.stat().st_size
     assert not list(tmp_path.rglob("*.tmp-*"))
 
@@ -2404,7 +2380,7 @@ def test_a_resumed_run_ends_with_the_uninterrupted_weights(train_dir, straight, 
 
 
 def test_a_resumed_run_keeps_its_threads(split_output):
-    assert "; 1 threads" in split_output  # the run's --threads 1, not the default
+    assert "; 1 thread (" in split_output  # the run's --threads 1, not the default
 
 
 def test_a_resumed_run_logs_each_step_once(train_dir, straight, split_output):
@@ -2535,12 +2511,48 @@ def test_resume_drops_log_records_after_the_checkpoint(train_dir, run4):
 def test_a_full_disk_keeps_the_last_checkpoint(train_dir, run4, monkeypatch, capsys):
     out = copy_of(run4, "full-disk")
     before = (out / "ckpt.pt").read_bytes()
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(setdiff, "open", full_disk, raising=False)
     argv = resume_argv(train_dir, "full-disk", 8)
-    train_refused(capsys, argv, "No space left on device")
+    train_refused(capsys, argv, "the disk is full")
     assert (out / "ckpt.pt").read_bytes() == before
     names = sorted(p.name for p in out.iterdir())
     assert names == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+
+
+def test_a_nonfinite_loss_stops_the_run_and_keeps_ckpt_pt(train_dir, run4, monkeypatch, capsys):
+    out = copy_of(run4, "diverged")
+    before = (out / "ckpt.pt").read_bytes()
+    real = train_small.train_step
+
+    def nan_at_step_6(run, step):
+        return real(run, step) * (math.nan if step == 5 else 1)
+
+    monkeypatch.setattr(train_small, "train_step", nan_at_step_6)
+    argv = resume_argv(train_dir, "diverged", 8)
+    train_refused(capsys, argv, "step 6: the loss is nan: the run diverged; lower --lr")
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_a_nonfinite_bound_never_becomes_best_pt(train_dir, monkeypatch):
+    real = setdiff.elbo
+
+    def nan_bound(*args):
+        res = real(*args)
+        res.nll_per_token = math.nan
+        return res
+
+    monkeypatch.setattr(setdiff, "elbo", nan_bound)
+    train_ok(run_argv(train_dir, "nan-bound", "--max-steps", "4", "--eval-every", "4"))
+    assert not (train_dir / "nan-bound" / "best.pt").exists()
+
+
+def test_resume_refuses_a_damaged_ckpt_pt_and_keeps_it(train_dir, run4, capsys):
+    ckpt = copy_of(run4, "damaged") / "ckpt.pt"
+    data = bytearray(ckpt.read_bytes())
+    data[20000:24096] = random.Random(0).randbytes(4096)  # 4 KB of garbage inside it
+    ckpt.write_bytes(data)
+    train_refused(capsys, resume_argv(train_dir, "damaged", 8), f"{ckpt} is not a readable")
+    assert ckpt.read_bytes() == data
 
 
 def test_force_removes_the_old_checkpoints_at_once(train_dir, run4, monkeypatch):
@@ -2634,7 +2646,7 @@ def test_a_fine_tune_validates_on_held_out_training_lines(released_ft):
     assert (rows[:, 0] == 2).all()  # [CLS]
     assert (rows[:, -1] == 2).all()
     val_lines = sides(LM1B_LINES, 0.3).count("val")
-    assert rows_meta(d / "cache")["splits"]["val"]["lines"] == val_lines > 0
+    assert rows_meta(d / "cache")["splits"]["val"]["documents"] == val_lines > 0
 
 
 SET_BY = "got 2 (set by --seq-len, --n-layer, --n-head, --d-model, --order"
@@ -2645,9 +2657,7 @@ def bad_inputs(tmp_path, monkeypatch):
     """Files to name wrongly, and an older run in run/ -> the arguments of a run here."""
     monkeypatch.chdir(write_corpus(tmp_path / "corpus.txt").parent)
     (tmp_path / "empty.txt").write_text("\n  \n")
-    rng = random.Random(0)
-    blob = bytes(rng.randrange(128, 256) for _ in range(5000))
-    (tmp_path / "blob.bin").write_bytes(blob)
+    (tmp_path / "blob.bin").write_bytes(bytes(range(128, 256)) * 40)  # no line is UTF-8
     (tmp_path / "small.txt").write_text("Only a few words.\n")
     (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n")
     (tmp_path / "vocab.json").write_text("{}")
@@ -2661,6 +2671,7 @@ def bad_inputs(tmp_path, monkeypatch):
 def assert_the_older_run_is_kept():
     assert os.listdir("run") == ["ckpt.pt"]
     assert Path("run/ckpt.pt").read_bytes() == b"an older run"
+    assert not list(Path("cache").glob("rows-*"))  # a failed data build leaves no folder
 
 
 @table(
@@ -2669,12 +2680,12 @@ def assert_the_older_run_is_kept():
         "missing-data": (["--data", "nope.txt"], "nope.txt: no such file"),
         "data-folder": (["--data", "cache"], "cache: no such file"),
         "empty-glob": (["--data", "nope-*.txt"], "nope-*.txt: no such file"),
-        "empty-file": (["--data", "corpus.txt", "empty.txt"], "is empty"),
+        "empty-file": (["--data", "corpus.txt", "empty.txt"], "empty.txt holds no text"),
         "binary": (["--data", "blob.bin"], "not look like text"),
         "too-little-text": (["--data", "small.txt"], "too few for a row of --seq-len 32"),
         "not-bert-vocab": (["--tokenizer", "vocab.txt"], "not a BERT uncased model's vocab.txt"),
         "missing-vocab": (["--tokenizer", "none.txt"], "--tokenizer: none.txt does not exist"),
-        "no-merges": (["--tokenizer", "vocab.json"], "needs merges.txt beside it"),
+        "no-merges": (["--tokenizer", "vocab.json"], "merges.txt does not exist"),
         "missing-init": (["--init-from", "none.pt"], "--init-from: checkpoint"),
         "unknown-flag": (["--no-such"], "unrecognized"),
         "nothing-to-resume": (["--resume", "--out", "elsewhere"], "--resume: no checkpoint"),
@@ -2687,6 +2698,9 @@ def assert_the_older_run_is_kept():
         "eval-every": (["--eval-every", "0"], "--eval-every: must be at least 1"),
         "val-fraction": (["--val-fraction", "1.5"], "--val-fraction"),
         "device": (["--device", "nonsense"], "--device 'nonsense'"),
+        "cache-dir": (["--cache-dir", "corpus.txt"], "--cache-dir corpus.txt: "),
+        "negative-lr": (["--lr", "-1"], "--lr: must be at least 0"),
+        "max-set-size-of-block": (["--order", "block", "--max-set-size", "8"], "--max-set-size"),
     },
 )
 def test_train_bad_input_is_one_line_and_exit_2(bad_inputs, capsys, flags, needle):
@@ -2702,9 +2716,9 @@ def test_a_new_run_refuses_an_out_that_holds_a_run(bad_inputs, capsys):
 @table(
     "out,needle",
     {
-        "a-file": ("file", "is a file"),
-        "under-a-file": ("file/run", "is a file"),
-        "read-only": ("locked/run", "not writable"),
+        "a-file": ("file", "file is not a writable folder"),
+        "under-a-file": ("file/run", "file is not a writable folder"),
+        "read-only": ("locked/run", "locked is not a writable folder"),
     },
 )
 def test_a_bad_out_is_refused_before_the_data_work(tmp_path, monkeypatch, capsys, out, needle):
@@ -2722,6 +2736,24 @@ def test_a_bad_out_is_refused_before_the_data_work(tmp_path, monkeypatch, capsys
     assert needle in err
     assert not (tmp_path / "cache").exists()  # no data work was done
     assert list((tmp_path / "locked").iterdir()) == []
+
+
+def test_ctrl_c_while_workers_tokenize_exits_130_and_leaves_no_rows(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the process group) while 2 workers tokenize."""
+    write_lines(tmp_path / "corpus.txt", [f"line {i} of a corpus" for i in range(400_000)])
+    cmd = [sys.executable, "train_small.py", *run_argv(tmp_path, "run", "--workers", "2")]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    cache = tmp_path / "cache"
+    while proc.poll() is None and not sum(f.stat().st_size for f in cache.glob("*/*.tmp-*")):
+        time.sleep(0.05)  # until the workers' first rows are written
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    said = [line for line in err.replace("\r", "\n").splitlines() if line and "%|" not in line]
+    assert said == ["interrupted (outside the training steps: nothing new to save)"], err
+    assert proc.returncode == 130
+    assert not list(cache.glob("rows-*"))
 
 
 def test_a_data_glob_reads_its_files_sorted(tmp_path):
@@ -2742,7 +2774,7 @@ def test_threads_default_to_the_idle_cores_with_the_reason(tmp_path, capsys):
     argv = run_argv(tmp_path, "run", "--max-steps", "1", train=TRAIN[:-2])  # no --threads
     train_ok(argv)
     out = capsys.readouterr().out
-    found = re.search(r"; (\d+) threads \((\d+) cores, load (\d+) elsewhere", out)
+    found = re.search(r"; (\d+) threads? \((\d+) cores, load (\d+) elsewhere", out)
     threads, cores, load = map(int, found.groups())
     assert cores == os.cpu_count()
     auto = max(1, cores - load)
@@ -2767,6 +2799,15 @@ def test_torchrun_two_processes_match_one(tmp_path):
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two_argv = run_argv(tmp_path, "two", "--global-batch", "8", *steps)
     two = python(*torchrun, "train_small.py", *two_argv, env=env)
+    # NOTE: one retry, for one cause only, outside setdiff: after all the run's work, gloo's
+    # worker thread may still be releasing the last all-reduce's tensor while Python shuts down
+    # (the process group outlives destroy_process_group); that tensor's release takes the GIL,
+    # which exits the thread inside C++: SIGABRT, "terminate called without an active exception"
+    # (core dump: pt_gloo_runloop in take_gil under Py_FinalizeEx). A 10-line gloo script does
+    # it too, about 1 run in 20 with both cores busy; rank 1 exits first, so it is rank 1.
+    if "terminate called without an active exception" in two.stderr:
+        shutil.rmtree(tmp_path / "two")
+        two = python(*torchrun, "train_small.py", *two_argv, env=env)
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "4 per forward x 1 accumulation x 2 proc" in two.stdout
@@ -2829,9 +2870,8 @@ def test_train_bench_ar_baseline_is_the_prefix_by_prefix_loss():
     nll = []
     for b in range(2):
         for i in range(1, 10):
-            causal = torch.ones(i, i, dtype=torch.bool).tril()[None]
             positions = torch.arange(i)[None]
-            logits = model(x[b : b + 1, :i], positions, causal, queries=1)
+            logits = causal_logits(model, x[b : b + 1, :i], positions)
             logp = torch.log_softmax(logits[0, -1], -1)
             nll.append(-logp[x[b, i]])
     want = torch.stack(nll).mean()
@@ -2904,7 +2944,7 @@ def ckpts(tmp_path_factory):
     write_lines(d / "val.txt", VAL_TEXT)
     (d / "short.txt").write_text("hello\n")
     (d / "empty.txt").write_text("")
-    (d / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 abc\n\x80\x80\xc3\n")
+    (d / "binary.txt").write_bytes(b"\x7fELF\x02\x00\n\xff\xfe\nlibc.so.6\n")  # a program
     val = write_val_bin(d)
     other = val | {"path": str(d / "val.txt")}  # other data than the judge's
     (d / "copy").mkdir()  # the judge's rows in another cache folder: the same data
@@ -2921,9 +2961,6 @@ def ckpts(tmp_path_factory):
     owt = letters_model(bos_id=None, pad_id=None)
     setdiff.save_checkpoint(d / "owt.pt", owt, BYTES, val_rows=val)
     setdiff.save_checkpoint(d / "l40.pt", letters_model(seq_len=40), BYTES)
-    (d / "cut.pt").write_bytes((d / "st.pt").read_bytes()[:2000])
-    torch.save({"model": {}}, d / "foreign.pt")
-    (d / "not-a-model").mkdir()
     return d
 
 
@@ -2963,24 +3000,16 @@ def test_sampling_defaults_of_the_library_and_the_script_agree():
     script = sample.build_parser().parse_args(["--ckpt", "x"])
     assert params["top_p"].default == script.top_p == 1.0
     assert params["temperature"].default == script.temperature
+    assert params["repetition_penalty"].default == script.repetition_penalty == 1.0
 
 
-def test_samples_are_printed_with_the_device_and_their_calls(ckpts, capsys):
+def test_samples_are_printed_with_their_calls(ckpts, capsys):
     out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
-    device = r"^device: cpu \(.*\); float32 \(.*\); \d+ threads \(.*\)$"
-    assert re.search(device, out, re.M)
     headers = [h[:15] for h, _ in samples_of(out)]
     assert headers == [f"--- sample {i}/3:" for i in (1, 2, 3)]
     texts = [t for h, t in samples_of(out) if calls_of(h) > 0]
     assert all(re.fullmatch(f"[a-z]{{{L - 1}}}", t) for t in texts)
     assert len(set(texts)) == 3
-
-
-def test_seed_fixes_the_samples(ckpts, capsys):
-    args = ("--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
-    first = texts_of(sample_ok(capsys, *args))
-    assert texts_of(sample_ok(capsys, *args)) == first
-    assert texts_of(sample_ok(capsys, *args, "--seed", 1)) != first
 
 
 def test_a_prompt_is_continued_one_token_a_call(ckpts, capsys):
@@ -3006,14 +3035,15 @@ def test_infill_fills_only_the_holes(ckpts, capsys, template, pattern):
     assert all(re.fullmatch(pattern, t) for t in texts), texts
 
 
-def test_batches_are_drawn_in_turn_from_one_generator(ckpts, capsys):
-    """More samples than --batch-size: the batches drawn by hand from one generator."""
-    args = ("--num-samples", 5, "--batch-size", 2, "--top-p", 0.9)
-    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args)
-    g = gen(0)
+def test_batches_are_drawn_in_turn_from_one_generator_of_the_seed(ckpts, capsys):
+    """More samples than --batch-size: the batches drawn by hand from one generator of --seed,
+    with the sampling flags (--repetition-penalty too)."""
+    args = ("--num-samples", 5, "--batch-size", 2, "--seed", 3, "--top-p", 0.9)
+    out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", *args, "--repetition-penalty", 2)
+    sampler = dict(window=3, top_p=0.9, repetition_penalty=2.0, generator=gen(3))
     by_hand = []
     for B in (2, 2, 1):
-        out_b = generate(letters_model(), batch_size=B, window=3, top_p=0.9, generator=g)
+        out_b = generate(letters_model(), batch_size=B, **sampler)
         by_hand += [BYTES.decode(row) for row in out_b.tokens]
     assert texts_of(out) == by_hand
 
@@ -3022,26 +3052,44 @@ def test_many_samples_start_with_a_small_batch(ckpts, capsys, monkeypatch):
     """Without --batch-size, even 10^9 samples start with a batch of 16 (bounded memory)."""
     first_batch_only = mock.Mock(side_effect=KeyboardInterrupt)  # stop after the first call
     monkeypatch.setattr(setdiff, "generate", first_batch_only)
-    code, _, err = run_sample(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 10**9)
+    code, _, _ = run_sample(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 10**9)
     assert code == 130
-    assert err == "interrupted\n"
     assert first_batch_only.call_count == 1
     assert first_batch_only.call_args.kwargs["batch_size"] == 16
 
 
-def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpts, capsys, monkeypatch):
+def test_a_closed_pipe_ends_sampling_quietly(ckpts):
+    """`sample.py ... | head -1` stops as a Unix tool does: exit 0 or 141 (SIGPIPE), no error.
+    The samples (~180 KB) overflow the pipe's buffer, so a write meets the closed pipe."""
+    argv = f"--ckpt {ckpts}/st.pt --num-samples 2000 --batch-size 500"
+    pipeline = f"set -o pipefail; {sys.executable} sample.py {argv} | head -1"
+    cmd = ["bash", "-c", pipeline]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.stderr == ""
+    assert r.returncode in (0, 141)
+
+
+@table(
+    "stage,argv",
+    {  # the function Ctrl-C interrupts -> the flags
+        "sampling": ("generate", []),
+        "scoring": ("order_nll", ["--eval"]),  # inside the bound, its progress bar drawn
+    },
+)
+def test_ctrl_c_is_one_line_and_exit_130(ckpts, capsys, monkeypatch, stage, argv):
+    """One line "interrupted", on a line of its own: --eval's progress bar ends its line first."""
+
     def interrupted(*args, **kw):  # the signal itself, not a stand-in
         signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(setdiff, "generate", interrupted)
+    monkeypatch.setattr(setdiff, stage, interrupted)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        code, out, err = run_sample(capsys, "--ckpt", ckpts / "st.pt")
+        code, _, err = run_sample(capsys, "--ckpt", ckpts / "st.pt", *argv)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert code == 130
-    assert err == "interrupted\n"
-    assert "Traceback" not in out
+    assert re.fullmatch(r"(\rbound:[^\n]*\n)?interrupted\n", err), err  # nothing else
 
 
 @pytest.fixture
@@ -3126,12 +3174,6 @@ def test_a_released_folder_samples_words(letters_folder, capsys):
     assert re.fullmatch(r"the cat( \S+){3}", texts_of(out)[0])
 
 
-def test_a_released_folder_has_no_validation_rows(letters_folder, capsys):
-    code, _, err = run_sample(capsys, "--ckpt", letters_folder, "--eval")
-    assert code == 2
-    assert "pass --eval FILE" in err
-
-
 VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
 
 
@@ -3175,39 +3217,42 @@ def test_eval_without_pad_leaves_the_tail_out_and_says_so(ckpts, capsys):
     assert f"not scored: the text's last {len(rest)} tokens (~{len(rest)} bytes)" in out
 
 
+def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
+    """GPT-2 BPE: line breaks, blank lines and indentation are text; EOS ends each document."""
+    docs = ["ab\n  ba\n\nbc 11 ab", "cab's\n S 2 ab ab c ab's"]
+    text = tmp_path / "docs.txt"
+    text.write_text(f"{docs[0]}\n<|endoftext|>\n{docs[1]}\n")
+    specials = dict(bos_id=None, pad_id=None, eos_id=18, mask_id=19)  # bpe's
+    model = letters_model(vocab_size=20, **specials)
+    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
+    out = sample_ok(capsys, "--ckpt", tmp_path / "owt.pt", "--eval", text)
+    stream = [i for doc in docs for i in bpe.encode(doc) + [18]]
+    rows, _ = wrapped_by_hand(stream, None, None)
+    res = elbo(model, rows, generator=gen(0))
+    assert f"val ppl <= {res.ppl:.3f} " in out
+
+
 @table(
     "argv,message",
     {  # arguments ({d}: the checkpoint folder, {st}: a good checkpoint) -> what stderr says
         "missing-ckpt": ("--ckpt {d}/missing.pt", "not found"),
-        "folder": ("--ckpt {d}/not-a-model", "is a folder without a config.json"),
-        "cut-file": ("--ckpt {d}/cut.pt", "not a readable checkpoint"),
-        "foreign-file": ("--ckpt {d}/foreign.pt", "not a setdiff checkpoint"),
         "no-ckpt": ("--prompt hello", "--ckpt"),
         "long-prompt": ("{st} --prompt " + "x" * L, f"--prompt is {L + 1} tokens (with BOS)"),
-        "max-new-tokens": (
-            "{st} --prompt hi --max-new-tokens 30",
-            "--max-new-tokens must be in [1, 21]",
-        ),
+        # generate()'s checks (test_generate_rejects_a_bad_argument) reach the user as one line
         "window": ("{st} --window 7", "--window must be in [1, 6]"),  # s = 6
         "top-p-0": ("{st} --top-p 0", "--top-p must be in (0, 1]"),
-        "top-p-1.5": ("{st} --top-p 1.5", "--top-p must be in (0, 1]"),
-        "temperature": ("{st} --temperature -1", "--temperature must be >= 0"),
-        "threshold": ("{st} --threshold nan", "--threshold must be a number"),
         "no-holes": ("{st} --infill no-holes", "nothing to fill"),
         "empty-span": ("{st} --infill ___0", "___0"),
         "long-infill": ("{st} --infill " + "[MASK]" * L, f"--infill is {L + 1} tokens"),
         "infill-max-new-tokens": ("{st} --infill [MASK] --max-new-tokens 3", "--max-new-tokens"),
         "prompt-and-infill": ("{st} --prompt a --infill [MASK]", "not allowed"),
         "missing-text": ("{st} --eval {d}/missing.txt", "not a file"),
-        "empty-text": ("{st} --eval {d}/empty.txt", "is empty"),
-        "binary-text": ("{st} --eval {d}/binary.txt", "UTF-8"),
+        "empty-text": ("{st} --eval {d}/empty.txt", "holds no text"),
+        "binary-text": ("{st} --eval {d}/binary.txt", "look like text: 2 lines are not UTF-8"),
         "no-row-no-pad": ("--ckpt {d}/owt.pt --eval {d}/short.txt", "fill no row"),
         "no-val-rows": ("--ckpt {d}/noval.pt --eval", "pass --eval FILE"),
         "val-rows-gone": ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"),
         "num-samples": ("{st} --num-samples 0", "must be at least 1"),
-        "threads": ("{st} --threads 0", "must be at least 1"),
-        "span-len": ("{st} --span-len two", "invalid integer"),
-        "device": ("{st} --device nonsense", "--device"),
         "unknown-flag": ("{st} --no-such-flag", "unrecognized"),
     },
 )
@@ -3235,9 +3280,8 @@ def greedy_plain():
 @torch.no_grad()
 def test_plain_decoder_takes_the_argmax_of_one_causal_forward_a_token():
     model, prompt, plain = greedy_plain()
-    causal = torch.ones(1, L - 1, L - 1).tril().bool()
     positions = torch.arange(L - 1).expand(2, -1)
-    logits = model(plain.tokens[:, :-1], positions, causal)  # (2, L - 1, V)
+    logits = causal_logits(model, plain.tokens[:, :-1], positions)  # (2, L - 1, V)
     greedy = logits.argmax(-1)
     assert torch.equal(plain.tokens[:, :3], prompt)
     assert torch.equal(greedy[:, 2:], plain.tokens[:, 3:])
@@ -3323,7 +3367,7 @@ def test_bench_script_prints_the_table_the_cache_check_and_verdicts(ckpts):
     assert "Traceback" not in r.stderr
     assert "command: python " + " ".join(argv) in r.stdout
     assert "warm-up round done" in r.stdout
-    device = r"^device: cpu \(.+\); float32 \(.+\); \d+ threads \(.+\)$"
+    device = r"^device: cpu \(.+\); float32 \(.+\); \d+ threads? \(.+\)$"
     assert re.search(device, r.stdout, re.M)
     row = r"^\| (plain|cached|cache-free|w=[ds]=\d)[^|]* \|( [\d.,]+ \|){4} [\d.]+x \|$"
     rows = re.findall(row, r.stdout, re.M)
@@ -3392,16 +3436,12 @@ def plot_inputs(tmp_path, monkeypatch):
     return [*files, str(tmp_path / "cmp.json")]
 
 
-def test_plot_training_curve_is_the_validation_records_by_tokens(plot_inputs):
-    assert plot.training_curve(plot_inputs[0]) == [(100, 4.25), (200, 3.5)]
-
-
 def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
+    """The validation records by tokens (a's train record left out), and within 1.1x."""
     plot.main(plot_inputs)
     out = capsys.readouterr().out
     assert "| training tokens | a | b |" in out
-    assert "| 100 | 4.250 | 5.000 |" in out
-    assert "| 200 | 3.500 | nan |" in out
+    assert "| 100 | 4.250 | 5.000 |\n| 200 | 3.500 | nan |" in out
     assert "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
 
 
@@ -3443,7 +3483,6 @@ def test_compare_prints_a_row_per_window_and_threshold(comparison):
 
 def test_compare_bound_is_the_elbo_of_the_validation_rows(ckpts, comparison):
     _, cmp = comparison
-    assert [b["num_orders"] for b in cmp["bounds"]] == [4, 4]
     assert len(cmp["samples"]) == 1 + 16
     rows = val_rows_of(ckpts, 4)
     res = elbo(letters_model(), rows, num_orders=4, generator=gen(0))
@@ -3499,9 +3538,7 @@ def text_stats():
 
 def test_judge_nll_is_the_ar_bound_of_the_text(text_stats):
     judge, x, got = text_stats
-    logits = setdiff.position_logits(judge, x, torch.arange(L)[None])
-    logp = torch.log_softmax(logits.double(), -1)[0, 1:]  # no BOS
-    nll = -logp[torch.arange(23), JUDGED].mean()
+    nll = position_nll(judge, x, torch.arange(L)[None])[0, 1:].mean()  # no BOS
     assert got["judge_nll"] == pytest.approx(nll.item(), rel=1e-5)
 
 
@@ -3522,21 +3559,6 @@ def test_distinct_4grams_of_the_text(text_stats):
 def test_distinct_4grams_count_over_all_rows():
     same = torch.tensor([[BOS] + [7] * 23] * 2)
     assert compare.text_stats(letters_model("ar"), same)["distinct_4grams"] == 1 / 40
-
-
-def log_p(model, row, revealed, target):
-    """log p(. | x_revealed) at `target`, from one query after the revealed tokens."""
-    logits = one_query_logits(model, row[None], revealed, target)
-    return torch.log_softmax(logits.double(), -1)
-
-
-def chain_nll(model, row, revealed, span):
-    """Sum over the span of -log p(x_t | all revealed before t), left to right."""
-    nll = 0.0
-    for k, t in enumerate(span):
-        logp = log_p(model, row, revealed + span[:k], t)
-        nll -= logp[row[t]].item()
-    return nll
 
 
 @pytest.fixture(scope="module")
@@ -3575,12 +3597,28 @@ def test_infill_bounds_of_an_ar_model_are_its_chain_rule(infill_spans):
 
 def test_infill_fill_of_an_ar_model_is_its_greedy_chain(infill_spans):
     model, x, starts, _ = infill_spans
-    fills = infill.fill(model, x, starts)
+    fills = infill.fill(model, x, starts, 1.0)
     for row, a, fill in zip(x, starts.tolist(), fills):
         chosen = row.clone()
         for t in range(a, a + infill.SPAN):
             chosen[t] = log_p(model, chosen, list(range(t)), t).argmax()
         assert fill.tolist() == chosen[a : a + infill.SPAN].tolist()
+
+
+def test_infill_fills_with_the_repetition_penalty(infill_spans, monkeypatch):
+    model, x, starts, _ = infill_spans
+    spy = mock.Mock(wraps=generate)
+    monkeypatch.setattr(setdiff, "generate", spy)
+    infill.fill(model, x, starts, 1.2)
+    assert {c.kwargs["repetition_penalty"] for c in spy.call_args_list} == {1.2}
+
+
+def test_infill_refuses_a_model_without_pad_in_one_line(ckpts, capsys):
+    """owt.pt has no PAD (as GPT-2 models): the left-side bound cannot cut its rows."""
+    argv = [f"{ckpts}/owt.pt", "--judge", f"{ckpts}/ar.pt", "--rows", "2"]
+    assert infill.main(argv) == 2
+    why = "has no PAD, which infill.py needs to cut a row after its span"
+    assert capsys.readouterr().err == f"error: {ckpts}/owt.pt {why}\n"
 
 
 def test_frontier_task_is_deterministic(tmp_path):
@@ -3657,7 +3695,7 @@ def decoded_here(frontier_run):
     out = generate(model, prompt=prompt, **sampler)
     new = out.tokens[:, prompt.shape[1] :]
     texts = [BYTES.decode(row) for row in new]
-    finals = [text.rsplit("#", 1)[-1].strip() for text in texts]
+    finals = [frontier.final_answer(text) for text in texts]  # test_frontier_final_answer
     right = [final == a[-1] for final, (_, a) in zip(finals, pairs)]
     row = rows[2 + 8 + 4]  # staggered, w=8, tau=0.3
     assert (row["window"], row["threshold"]) == (8, 0.3)
@@ -3680,3 +3718,15 @@ def test_plot_draws_the_frontier_of_a_json(frontier_run, tmp_path):
     with mock.patch.object(plot, "draw") as draw:  # the figure's data reaches the drawing
         assert plot.main([str(tmp_path / "r.json")]) == 0
     assert draw.call_args.args[2]["frontier"] == rows
+
+
+def test_pip_installs_setdiff_and_the_two_scripts():
+    """pip install . / pip wheel .: the flat layout names its modules and the entry points."""
+    import tomllib  # Python 3.11+, as CI
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    modules = meta["tool"]["setuptools"]["py-modules"]
+    assert sorted(modules) == ["sample", "setdiff", "train_small"]
+    for entry in meta["project"]["scripts"].values():
+        module, name = entry.split(":")
+        assert callable(getattr(importlib.import_module(module), name))
