@@ -519,11 +519,11 @@ def elbo(model, x, num_orders=1, batch_size=32, generator=None, given=None, prog
     resid = (row_nll - ratio * tokens) / tokens.mean()
     se = math.nan
     if N > 1:
-        se = float(resid.std() / math.sqrt(N))
+        se = float(resid.std()) / N**0.5
     nll = float(row_nll.sum())
     count = int(tokens.sum())
     per_token = nll / max(count, 1)
-    ppl = math.exp(per_token)
+    ppl = math.exp(per_token) if per_token < 709 else math.inf  # exp(710) overflows a float
     return Elbo(nll, count, num_orders, N, se, per_token, ppl)
 
 
@@ -948,7 +948,7 @@ def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
     write_checkpoint(path, ckpt | extra)
 
 
-def write_checkpoint(path, ckpt: dict) -> None:
+def write_checkpoint(path, ckpt: dict):
     """The header line and the dict's bytes, to a temporary file renamed to `path` (atomic)."""
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)
@@ -995,7 +995,7 @@ def load_checkpoint(path, device="cpu"):
     return model.to(device).eval(), tok, ckpt
 
 
-def require_finite(model: SetDiffusionLM, path) -> None:
+def require_finite(model: SetDiffusionLM, path):
     """Refuse NaN and inf weights: the run that wrote them diverged, and every output would be
     NaN or garbage."""
     for name, w in model.state_dict().items():

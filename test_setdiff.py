@@ -625,6 +625,14 @@ def test_bound_does_not_depend_on_the_batch_size():
     assert max(nll) - min(nll) < 1e-9
 
 
+def test_a_diverged_bound_reads_ppl_inf_not_an_overflow():
+    model = tiny_model()
+    torch.nn.init.normal_(model.head.weight, std=1e5)  # NLL far above 709 nats a token
+    res = elbo(model, random_rows(model.cfg, 2))
+    assert res.nll_per_token > 709
+    assert res.line(10).startswith("ppl <= inf ")
+
+
 def test_bound_standard_error_is_that_of_the_pooled_rate():
     """The standard error of sum(NLL) / sum(tokens) across rows (a ratio estimator)."""
     model, x, nll, n = uniform_replay()
