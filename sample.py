@@ -217,7 +217,7 @@ def text_rows(files: list, tok: Tokenizer, cfg: Config) -> EvalRows:
     L = cfg.seq_len
     rows, tail = setdiff.wrap_rows(stream, L, cfg.bos_id, cfg.eos_id)
     text_tokens = np.full(len(rows), setdiff.text_per_row(cfg))
-    bytes_per_token = num_bytes / len(stream)
+    bytes_per_token = num_bytes / max(len(stream), 1)  # no document: refused below
     if len(tail) and cfg.pad_id is None:
         about = round(len(tail) * bytes_per_token)
         left = f"the text's last {len(tail):,} tokens (~{about:,} bytes)"

@@ -787,8 +787,6 @@ def canvas(cfg, prompt, infill, batch_size, max_new_tokens, device):
     src = torch.as_tensor(ids, dtype=torch.long).to(device)
     if src.dim() == 1:
         src = src[None]
-    shape = tuple(src.shape)
-    require(src.dim() == 2, f"{flag}: give ids of shape (T,) or (B, T), got {shape}")
     rows = len(src)
     fits = rows == 1 or batch_size in (1, rows)
     require(fits, f"{flag}: {rows} rows of ids for --batch-size {batch_size}: give 1 or B")
@@ -885,6 +883,7 @@ def generate(
         else:  # the cache-free step: every revealed token, in decode order (call, position)
             new = gather_sets(reveal_call >= GIVEN, key=reveal_call)
         logits = predict(model, x, new, queries, cache)
+        require(not logits.isnan().any(), "the model's outputs are NaN: its weights diverged")
         if repetition_penalty != 1:
             seen = (reveal_call >= first_seen) & ~padding(cfg, x)
             logits = penalize_repeats(logits, x, seen, repetition_penalty)

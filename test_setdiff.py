@@ -1019,6 +1019,13 @@ def test_repetition_penalty_steers_greedy_decoding_as_by_hand(kw, logits, text):
     assert bytes(out.tokens[0, 1:].tolist()).decode() == text
 
 
+def test_generate_refuses_a_model_whose_outputs_are_nan():
+    model = tiny_model()
+    torch.nn.init.constant_(model.head.bias, math.nan)  # finite-looking load, NaN out
+    with pytest.raises(ValueError, match="outputs are NaN"):
+        generate(model, generator=gen(0))
+
+
 @table(
     "kw,match",  # staggered d = 3, s = 6: the largest window is 6
     {
@@ -2541,7 +2548,7 @@ def test_a_nonfinite_loss_stops_the_run_and_keeps_ckpt_pt(train_dir, run4, monke
     assert (out / "ckpt.pt").read_bytes() == before
 
 
-def test_a_nonfinite_bound_never_becomes_best_pt(train_dir, monkeypatch):
+def test_a_nonfinite_bound_stops_the_run_before_saving(train_dir, monkeypatch, capsys):
     real = setdiff.elbo
 
     def nan_bound(*args):
@@ -2550,8 +2557,9 @@ def test_a_nonfinite_bound_never_becomes_best_pt(train_dir, monkeypatch):
         return res
 
     monkeypatch.setattr(setdiff, "elbo", nan_bound)
-    train_ok(run_argv(train_dir, "nan-bound", "--max-steps", "4", "--eval-every", "4"))
-    assert not (train_dir / "nan-bound" / "best.pt").exists()
+    argv = run_argv(train_dir, "nan-bound", "--max-steps", "4", "--eval-every", "4")
+    train_refused(capsys, argv, "step 4: the bound is nan: diverged; lower --lr")
+    assert not list((train_dir / "nan-bound").glob("*.pt"))
 
 
 def test_resume_refuses_a_damaged_ckpt_pt_and_keeps_it(train_dir, run4, capsys):
@@ -3238,6 +3246,15 @@ def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
     rows, _ = wrapped_by_hand(stream, None, None)
     res = elbo(model, rows, generator=gen(0))
     assert f"val ppl <= {res.ppl:.3f} " in out
+
+
+def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys):
+    (tmp_path / "sep.txt").write_text("<|endoftext|>\n<|endoftext|>\n")
+    model = letters_model(vocab_size=20, bos_id=None, pad_id=None, eos_id=18, mask_id=19)
+    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
+    argv = ["--ckpt", tmp_path / "owt.pt", "--eval", tmp_path / "sep.txt"]
+    assert sample.main([str(a) for a in argv]) == 2
+    assert "--eval: 0 tokens of text fill no row" in capsys.readouterr().err
 
 
 @table(

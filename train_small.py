@@ -785,7 +785,8 @@ def evaluate(run: Run, step: int) -> None:
     metrics = res.metrics(num_bytes)
     line = res.line(num_bytes)
     nll = res.nll_per_token
-    best = math.isfinite(nll) and (run.best is None or nll < run.best["nll_per_token"])
+    require(math.isfinite(nll), f"step {step:,}: the bound is {nll}: diverged; lower --lr")
+    best = run.best is None or nll < run.best["nll_per_token"]
     if best:
         run.best = {"step": step, **metrics, "line": line}
     log_metrics(run, dict(step=step, kind="val", tokens=run.tokens, **metrics))
