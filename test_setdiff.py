@@ -3541,8 +3541,9 @@ def test_plot_within_is_the_most_tokens_per_call_within_1_1x(comparison):
         "no-folder": ("{d}/st.pt --judge {d}/ar.pt --json {d}/no/x.json", "folder does not exist"),
     },
 )
-def test_compare_checks_its_input_before_scoring(ckpts, capsys, argv, message):
-    assert compare.main(argv.format(d=ckpts).split()) == 2
+@pytest.mark.parametrize("script", [compare, infill], ids=["compare", "infill"])
+def test_judged_scripts_check_their_input_before_scoring(ckpts, capsys, argv, message, script):
+    assert script.main(argv.format(d=ckpts).split()) == 2
     out, err = capsys.readouterr()
     assert err.startswith("error: ")
     assert message in err

@@ -104,11 +104,11 @@ def validation_rows(args, device):
     shape = (val["rows"], judge.cfg.seq_len)
     rows = np.memmap(val_path, dtype=np.uint16, mode="r", shape=shape)
     judge.eval()
-    return judge, rows, val["bytes_per_token"]
+    return judge, tok, rows, val["bytes_per_token"]
 
 
 def compare(args, command, device):
-    judge, rows, bytes_per_token = validation_rows(args, device)
+    judge, _, rows, bytes_per_token = validation_rows(args, device)
     # what text looks like, as the samples' reference
     real = rows[: args.samples].astype(np.int64)
     real = torch.from_numpy(real)

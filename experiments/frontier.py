@@ -11,9 +11,7 @@ tokens per call and tokens/s, beside a plain causal decoder of the same network 
 """
 
 import argparse
-import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import plain_decoder  # noqa: E402  (experiments/bench.py: the plain causal decoder)
+from compare import write_json  # noqa: E402
 
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
@@ -145,13 +144,6 @@ def print_table(rows, args):
         cells = [r["model"], r["window"], threshold, accuracy, speed]
         line = " | ".join(map(str, cells))
         print(f"| {line} |")
-
-
-def write_json(path, data):
-    """A temporary file, then rename: a failed write keeps the old file."""
-    text = json.dumps(data, indent=1) + "\n"
-    Path(path + ".tmp").write_text(text)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):

@@ -9,9 +9,6 @@ and an AR judge's NLL of the text after the span.
 """
 
 import argparse
-import filecmp
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +18,8 @@ import torch
 # `python experiments/infill.py` puts experiments/ on the path, not the repository root
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from compare import validation_rows, write_json  # noqa: E402  (the judge and its rows)
+
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
 
@@ -103,40 +102,19 @@ def judged_suffix(judge, x, starts, fills):
     return res.nll_per_token
 
 
-def validation_rows(args, device):
-    """The judge, its tokenizer and its validation rows (a memmap)."""
-    judge, tok, ckpt = setdiff.load_checkpoint(args.judge, device)
-    is_ar = judge.cfg.order == "ar"
-    require(is_ar, f"--judge {args.judge} must be an --order ar checkpoint")
-    val = ckpt.get("val_rows") or {}
-    val_path = str(val.get("path"))
-    ok = os.path.isfile(val_path)
-    require(ok, f"--judge {args.judge} records no validation rows")
-    shape = (val["rows"], judge.cfg.seq_len)
-    rows = np.memmap(val_path, dtype=np.uint16, mode="r", shape=shape)
-    judge.eval()
-    return judge, tok, rows
-
-
 def evaluate(args, device):
-    judge, tok, rows = validation_rows(args, device)
+    judge, tok, rows, _ = validation_rows(args, device)  # every run checked first
     x, starts = pick_spans(rows, args.rows, tok.eos_id)
     _, span, _ = regions(x, starts)
     truth = x[span].view(-1, SPAN)  # (n, SPAN)
     true_span = judged_suffix(judge, x, starts, truth)
     res = dict(true_span_judged=true_span, models=[])
     for path in args.ckpt:
-        model, mine, ckpt = setdiff.load_checkpoint(path, device)
+        model, _, _ = setdiff.load_checkpoint(path, device)
         model.eval()
         pad = model.cfg.pad_id  # span_bounds cuts a row after its span with PAD
         no_pad = f"{path} has no PAD, which infill.py needs to cut a row after its span"
         require(pad is not None, no_pad)
-        val = ckpt.get("val_rows") or {}
-        val_path = str(val.get("path"))  # the same rows as the judge's, in any cache
-        exists = os.path.isfile(val_path)
-        same = exists and filecmp.cmp(val_path, rows.filename, shallow=False)
-        same = same and mine.spec() == tok.spec()
-        require(same, f"{path} was not trained on the data and tokenizer of the judge {args.judge}")
         name = setdiff.policy_name(model.cfg)
         print(f"model: {path}, {name}", flush=True)
         fills = fill(model, x, starts, args.repetition_penalty)
@@ -165,13 +143,6 @@ def print_table(res, args):
         line = " | ".join(cells)
         print(f"| {line} |")
     print(f"\nthe true span: judged NLL after it {res['true_span_judged']:.3f} (nats/token)")
-
-
-def write_json(path, data):
-    """A temporary file, then rename: a failed write keeps the old file."""
-    text = json.dumps(data, indent=1) + "\n"
-    Path(path + ".tmp").write_text(text)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
