@@ -3443,13 +3443,15 @@ def write_records(path, records):
 
 @pytest.fixture
 def plot_inputs(tmp_path, monkeypatch):
-    """Two metrics.jsonl files and a comparison's --json; plot.py draws into tmp_path."""
+    """Runs' metrics.jsonl files, a comparison's --json and a checkpoint; plot.py draws into
+    tmp_path."""
     monkeypatch.setattr(plot, "ASSETS", tmp_path)
     a = [dict(kind="val", tokens=200, bits_per_byte=3.5)]
     a += [dict(kind="train", tokens=100, loss=1.0)]
     a += [dict(kind="val", tokens=100, bits_per_byte=4.25)]
     (tmp_path / "a").mkdir()
     b = [dict(kind="val", tokens=100, bits_per_byte=5.0)]
+    b1 = [dict(kind="val", tokens=100, bits_per_byte=6.0)]  # b's second seed
     row = dict(model="m", window=2, threshold=0.5)
     samples = [dict(row, threshold=None, tokens_per_call=1.0, judge_nll=2.0)]
     samples += [dict(row, tokens_per_call=1.5, judge_nll=2.19)]  # <= 1.1 x 2.0
@@ -3457,16 +3459,20 @@ def plot_inputs(tmp_path, monkeypatch):
     cmp = dict(samples=samples, validation=dict(judge_nll=1.0))
     (tmp_path / "cmp.json").write_text(json.dumps(cmp))
     files = [write_records(tmp_path / "a" / "metrics.jsonl", a)]
-    files += [write_records(tmp_path / "b.jsonl", b)]
-    return [*files, str(tmp_path / "cmp.json")]
+    files += [write_records(tmp_path / "b-s0.jsonl", b)]
+    files += [write_records(tmp_path / "b-s1.jsonl", b1)]
+    setdiff.save_checkpoint(tmp_path / "ar.pt", tiny_model(order="ar"), BYTES)
+    return [*files, str(tmp_path / "cmp.json"), str(tmp_path / "ar.pt")]
 
 
 def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
-    """The validation records by tokens (a's train record left out), and within 1.1x."""
+    """The validation records by tokens (a's train record left out), b's two seeds as their
+    mean +- standard deviation, and within 1.1x."""
     plot.main(plot_inputs)
     out = capsys.readouterr().out
     assert "| training tokens | a | b |" in out
-    assert "| 100 | 4.250 | 5.000 |\n| 200 | 3.500 | nan |" in out
+    assert "| 100 | 4.250 +- 0.000 | 5.500 +- 0.707 |" in out  # (6 - 5) / sqrt(2)
+    assert "| 200 | 3.500 +- 0.000 | nan +- 0.000 |" in out
     assert "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
 
 
@@ -3480,11 +3486,27 @@ def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, cap
     assert code == 0
     assert (tmp_path / "training.png").exists()
     assert (tmp_path / "frontier.png").exists()
+    assert (tmp_path / "orders.png").exists()
+
+
+def test_plot_decode_orders_of_an_ar_model_run_left_to_right(tmp_path):
+    """ar: the training order is 0..L-1, and a greedy sample reveals position i at call i - 1
+    (position 0, BOS, is given)."""
+    model = tiny_model(order="ar")
+    setdiff.save_checkpoint(tmp_path / "ar.pt", model, BYTES)
+    ((order, calls, shown),) = plot.decode_orders([tmp_path / "ar.pt"]).values()
+    L = model.cfg.seq_len
+    assert order.tolist() == list(range(L))
+    assert shown.tolist() == list(range(1, L))
+    assert calls.tolist() == list(range(L - 1))
 
 
 def test_plot_refuses_other_files(tmp_path, capsys):
     assert plot.main([str(tmp_path / "x.txt")]) == 2
-    assert "give metrics.jsonl files" in capsys.readouterr().err
+    assert (
+        "give metrics.jsonl, compare/frontier.py .json or checkpoint files"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,22 @@ def write_json(path, data):
     os.replace(path + ".tmp", path)
 
 
+def shared_flags(add):
+    """The flags of compare.py, infill.py and frontier.py: --json, --device, --threads."""
+    add("--json", metavar="PATH", help="also write the results here (for experiments/plot.py)")
+    add("--device", help="cpu, cuda, cuda:N or mps (default: the first of cuda, mps, cpu)")
+    add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+
+
+def setup(args, dtype="float32"):
+    """Checks --json's folder before the work -> (device, dtype) of --device, --threads."""
+    folder = Path(args.json or "x").resolve().parent
+    require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
+    device, dtype, how = setdiff.runtime(args.device, dtype, args.threads)
+    print(how)
+    return device, dtype
+
+
 def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
@@ -180,19 +196,14 @@ def main(argv=None):
     add("--temperature", type=float, default=1.0, help="of the samples (1)")
     add("--top-p", type=float, default=1.0, help="of the samples (1: the model's own distribution)")
     add("--seed", type=int, default=0, help="seed of the samples and the orders (0)")
-    add("--json", metavar="PATH", help="also write the results here (for experiments/plot.py)")
-    add("--device", help="cpu, cuda, cuda:N or mps (default: the first of cuda, mps, cpu)")
     add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast (auto)")
-    add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    shared_flags(add)
     args = p.parse_args(argv)
     command = shlex.join(["python", "experiments/compare.py", *argv])
     try:
-        folder = Path(args.json or "x").resolve().parent  # checked before the work
-        require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
         smallest = min(args.samples, args.num_orders)
         require(smallest >= 1, "--samples, --num-orders: >= 1")
-        device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
-        print(how)
+        device, dtype = setup(args, args.dtype)
         with setdiff.autocast(device, dtype):
             res = compare(args, command, device)
         print_tables(res, args)

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import plain_decoder  # noqa: E402  (experiments/bench.py: the plain causal decoder)
-from compare import write_json  # noqa: E402
+from compare import setup, shared_flags, write_json  # noqa: E402
 
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
@@ -154,9 +154,7 @@ def main(argv=None):
     add("--write", metavar="DIR", help="write the task: DIR/train.txt and DIR/test.txt")
     add("--test", metavar="FILE", help="the test problems (DIR/test.txt)")
     add("--problems", type=int, default=1000, help="test problems decoded (1000)")
-    add("--json", metavar="PATH", help="also write the results here (for experiments/plot.py)")
-    add("--device", help="cpu, cuda, cuda:N or mps (default: the first available)")
-    add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    shared_flags(add)
     argv = None if argv is None else [str(a) for a in argv]  # paths too
     args = p.parse_args(argv)
     try:
@@ -166,10 +164,7 @@ def main(argv=None):
             return 0
         given = args.ckpt and args.test
         require(given, "give checkpoints and --test FILE (or --write DIR)")
-        folder = Path(args.json or "x").resolve().parent  # checked before the work
-        require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
-        device, _, how = setdiff.runtime(args.device, "float32", args.threads)
-        print(how)
+        device, _ = setup(args)
         pairs = read_test(args.test)[: args.problems]
         rows = frontier(args.ckpt, pairs, device)
         print_table(rows, args)

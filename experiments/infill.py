@@ -18,7 +18,7 @@ import torch
 # `python experiments/infill.py` puts experiments/ on the path, not the repository root
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from compare import validation_rows, write_json  # noqa: E402  (the judge and its rows)
+from compare import setup, shared_flags, validation_rows, write_json  # noqa: E402  (the judge and its rows)
 
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
@@ -156,17 +156,12 @@ def main(argv=None):
     add("--seed", type=int, default=0, help="seed of the orders (0)")
     penalty = "of the fills, 1 = off; the authors' infill table: 1.2 (1)"
     add("--repetition-penalty", type=float, default=1.0, help=penalty)
-    add("--json", metavar="PATH", help="also write the results here")
-    add("--device", help="cpu, cuda, cuda:N or mps (default: the first available)")
-    add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    shared_flags(add)
     args = p.parse_args(argv)
     try:
-        folder = Path(args.json or "x").resolve().parent  # checked before the work
-        require(folder.is_dir(), f"--json {args.json}: its folder does not exist")
         smallest = min(args.rows, args.num_orders)
         require(smallest >= 1, "--rows and --num-orders must be at least 1")
-        device, _, how = setdiff.runtime(args.device, "float32", args.threads)
-        print(how)
+        device, _ = setup(args)
         res = evaluate(args, device)
         print_table(res, args)
         if args.json:

@@ -1,15 +1,19 @@
 """The tables behind the README's figures, then the figures (matplotlib for the drawing only):
-runs' metrics.jsonl -> assets/training.png; compare.py --json -> assets/frontier.png and the
-tokens per call each model reaches within 10% of its quality at one token per call;
-frontier.py --json -> assets/reasoning.png (accuracy against tokens per call and tokens/s).
+runs' metrics.jsonl -> assets/training.png (runs NAME-sSEED: NAME's mean and seed band);
+compare.py --json -> assets/frontier.png and the tokens per call each model reaches within 10%
+of its quality at one token per call; frontier.py --json -> assets/reasoning.png (accuracy
+against tokens per call and tokens/s); checkpoints (.pt) -> assets/orders.png (decode orders).
 
     python experiments/plot.py assets/runs/*.jsonl assets/compare.json assets/reasoning.json
 """
 
 import json
-import math
+import re
+import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DOTS = dict(marker="o", ms=3)  # a line's points
@@ -24,11 +28,53 @@ def training_curve(path):
     return sorted(points)
 
 
+def seed_bands(runs):
+    """Runs NAME-sSEED grouped by NAME -> {NAME: {tokens: [bits per byte, a seed each]}}."""
+    bands = {}
+    for name, points in runs.items():
+        band = bands.setdefault(re.sub(r"-s\d+$", "", name), {})
+        for tokens, bits in points:
+            band.setdefault(tokens, []).append(bits)
+    return bands
+
+
+def mean_std(seeds):
+    """Their mean and standard deviation (0 for one seed)."""
+    std = statistics.stdev(seeds) if seeds[1:] else 0.0
+    return statistics.mean(seeds), std
+
+
+def decode_orders(paths, threshold=0.3):
+    """policy -> (a training order: the position of each slot; the calls of a greedy sample at
+    the default window and `threshold`; the positions they revealed)."""
+    sys.path.insert(0, str(ASSETS.parent))
+    import torch
+
+    import setdiff
+
+    orders = {}
+    for path in paths:
+        model, _, _ = setdiff.load_checkpoint(path)
+        cfg = model.cfg
+        g = torch.Generator().manual_seed(0)
+        order = setdiff.sample_order(cfg, 1, g)[0]
+        out = setdiff.generate(model, threshold=threshold, temperature=0)
+        calls = out.reveal_call[0]
+        shown = torch.where(calls >= 0)[0]  # not the given position 0
+        orders[setdiff.policy_name(cfg)] = order, calls[shown], shown
+    return orders
+
+
+def line_name(r):
+    """A sample row's line in the figures: 'model, w=W'."""
+    return f"{r['model']}, w={r['window']}"
+
+
 def frontier(compare):
     """'model, w=W' -> [(tokens per call, judged NLL)] of the samples, by tokens per call."""
     lines = {}
     for r in compare["samples"]:
-        name = f"{r['model']}, w={r['window']}"
+        name = line_name(r)
         point = (r["tokens_per_call"], r["judge_nll"])
         lines.setdefault(name, []).append(point)
     return {name: sorted(points) for name, points in lines.items()}
@@ -41,25 +87,24 @@ def within(compare, slack=1.1):
     base = {}
     for r in samples:
         if r["threshold"] is None:
-            base[r["model"], r["window"]] = r["judge_nll"]
+            base[line_name(r)] = r["judge_nll"]
     reach = {}
     for r in samples:
-        key = (r["model"], r["window"])
-        if r["judge_nll"] <= slack * base[key]:
-            reach[key] = max(reach.get(key, 0), r["tokens_per_call"])
-    return {f"{model}, w={w}": tokens for (model, w), tokens in reach.items()}
+        name = line_name(r)
+        if r["judge_nll"] <= slack * base[name]:
+            reach[name] = max(reach.get(name, 0), r["tokens_per_call"])
+    return reach
 
 
-def print_tables(runs, compare):
-    if runs:  # a row per validation
-        names = " | ".join(runs)
+def print_tables(bands, compare):
+    if bands:  # a row per validation: mean +- std over the seeds
+        names = " | ".join(bands)
         print(f"| training tokens | {names} |")
-        columns = len(runs) + 1
-        print("|---" * columns + "|")
-        seen = {t for points in runs.values() for t, _ in points}
+        print("|---" * (len(bands) + 1) + "|")
+        seen = {t for band in bands.values() for t in band}
         for tokens in sorted(seen):
-            values = [dict(points).get(tokens, math.nan) for points in runs.values()]
-            cells = " | ".join(f"{v:.3f}" for v in values)
+            cells = [mean_std(band.get(tokens, [np.nan])) for band in bands.values()]
+            cells = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in cells)
             print(f"| {tokens:,} | {cells} |")
     if compare:  # the 10% rule
         print("\n| model, window | most tokens/call at a judged NLL within 10% of 1 token/call's |")
@@ -68,12 +113,16 @@ def print_tables(runs, compare):
             print(f"| {model} | {tokens:.2f} |")
 
 
-def draw_training(plt, runs):
+def draw_training(plt, bands):
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in runs.items():
-        tokens, bits = zip(*points)
-        ax.plot(tokens, bits, label=name, marker=".")
-    ax.set(xlabel="training tokens", ylabel="validation bound (bits/byte)")
+    for name, band in bands.items():
+        tokens = list(band)
+        mean, std = np.array(list(map(mean_std, band.values()))).T
+        ax.plot(tokens, mean, label=name, marker=".")
+        low = mean - std
+        ax.fill_between(tokens, low, low + 2 * std, alpha=0.2)
+    bound = "validation bound (bits/byte), mean +- std of seeds"
+    ax.set(xlabel="training tokens", ylabel=bound)
     return fig, ax, "Validation bound while training", "training.png"
 
 
@@ -104,8 +153,7 @@ def draw_reasoning(plt, reasoning):
             speed = r["tokens_per_s"]
             by_speed.axvline(speed, color="k", ls=":", label=r["model"])
             continue
-        name = f"{r['model']}, w={r['window']}"
-        lines.setdefault(name, []).append(r)
+        lines.setdefault(line_name(r), []).append(r)
     for i, (name, rows) in enumerate(lines.items()):
         colour = f"C{i % 10}"
         accuracy = [r["accuracy"] for r in rows]  # in threshold order
@@ -115,12 +163,24 @@ def draw_reasoning(plt, reasoning):
     by_call.set(xlabel="tokens per call", ylabel="exact-match accuracy (%)")
     by_speed.set(xlabel="tokens/s (all test problems in one batch)")
     by_speed.set_title("and against tokens/s")
-    by_speed.grid(alpha=0.3)
-    by_speed.legend(fontsize=7)
     return fig, by_call, "Exact-match accuracy against tokens per call", "reasoning.png"
 
 
-def draw(runs, compare, reasoning=None):
+def draw_orders(plt, orders):
+    """A panel a policy: position against step, for the slots of a training order and the
+    calls of a greedy sample."""
+    fig, _ = plt.subplots(1, len(orders), figsize=(13, 3.6))
+    for ax, name in zip(fig.axes, orders):
+        order, calls, shown = orders[name]
+        ax.plot(order, ".", color="grey", label="training order (slot)")
+        ax.plot(calls, shown, "x", label="greedy, tau 0.3 (call)")
+        ax.set(title=name, xlabel="step")
+    first = fig.axes[0]
+    first.set_ylabel("position")
+    return fig, first, first.get_title(), "orders.png"
+
+
+def draw(runs, compare, reasoning=None, orders=None):
     try:
         import matplotlib.pyplot as plt
     except ImportError:
@@ -133,35 +193,38 @@ def draw(runs, compare, reasoning=None):
         figures.append(draw_frontier(plt, compare))
     if reasoning:
         figures.append(draw_reasoning(plt, reasoning))
+    if orders:
+        figures.append(draw_orders(plt, orders))
     for fig, ax, title, name in figures:
         ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        for a in fig.axes:
+            a.grid(alpha=0.3)
+            a.legend(fontsize=7)
         fig.savefig(ASSETS / name, dpi=120, bbox_inches="tight")
         print(f"drawn: {ASSETS / name}")
 
 
 def main(paths):
     try:
-        kinds = (".jsonl", ".json")
+        kinds = (".jsonl", ".json", ".pt")
         if not paths or not all(p.endswith(kinds) for p in paths):
-            raise ValueError("give metrics.jsonl files and .json files of compare/frontier.py")
+            raise ValueError("give metrics.jsonl, compare/frontier.py .json or checkpoint files")
         runs = {}
-        for path in map(Path, paths):
-            if path.suffix != ".jsonl":
-                continue
-            folder = path.parent.name
-            name = folder if path.name == "metrics.jsonl" else path.stem  # or a copy's name
-            runs[name] = training_curve(path)
         found = {"samples": None, "frontier": None}  # compare.py's, frontier.py's
-        for p in paths:
-            if not p.endswith(".json"):
-                continue
-            data = json.loads(Path(p).read_text())
-            kind = next(k for k in found if k in data)
-            found[kind] = data
-        print_tables(runs, found["samples"])
-        draw(runs, found["samples"], found["frontier"])
+        ckpts = []
+        for path in map(Path, paths):
+            if path.suffix == ".pt":
+                ckpts.append(path)
+            elif path.suffix == ".json":
+                data = json.loads(path.read_text())
+                found[next(k for k in found if k in data)] = data
+            else:  # a run's metrics.jsonl, or a copy of it named for the run
+                name = path.parent.name if path.name == "metrics.jsonl" else path.stem
+                runs[name] = training_curve(path)
+        bands = seed_bands(runs)
+        print_tables(bands, found["samples"])
+        orders = decode_orders(ckpts)
+        draw(bands, found["samples"], found["frontier"], orders)
     except (KeyError, StopIteration) as e:
         print(f"error: not a metrics.jsonl or compare/frontier.py --json ({e!r})", file=sys.stderr)
         return 2
