@@ -2336,6 +2336,13 @@ def run4(train_dir):
     return train_dir / "run"
 
 
+def test_every_bound_names_the_thread_count(train_dir, capsys):
+    """Each validation line and the best one: the threads change the rounding."""
+    train_ok(run_argv(train_dir, "threads", "--max-steps", "2", "--eval-every", "1", "--force"))
+    bounds = [x for x in capsys.readouterr().out.splitlines() if "ppl <=" in x]
+    assert len(bounds) == 3 and all("; threads: 1" in x for x in bounds)
+
+
 @pytest.fixture(scope="module")
 def straight(train_dir):
     """A 16-step run, validated at 8 and 16 -> its folder."""
@@ -2456,8 +2463,7 @@ def init_argv(train_dir, run4, out, *extra, shape=()):
 def test_init_from_takes_the_source_config_and_weights(train_dir, run4):
     """No shape flags: the cpu preset's 4 x 256 would apply, but the source's 1 x 32 wins."""
     src = ckpt_of(run4)
-    argv = init_argv(train_dir, run4, "ft0", "--max-steps", "1", "--lr", "0")
-    train_ok(argv)
+    train_ok(init_argv(train_dir, run4, "ft0", "--max-steps", "1", "--lr", "0"))
     ft = ckpt_of(train_dir / "ft0")
     assert ft["step"] == 1
     assert ft["config"] == src["config"] | {"dropout": 0.0}
@@ -2510,16 +2516,15 @@ def copy_of(run4, name):
 
 def test_resume_refuses_a_changed_flag(train_dir, run4, capsys):
     copy_of(run4, "changed")
-    argv = [*resume_argv(train_dir, "changed", 8), "--n-layer", "2"]
-    train_refused(capsys, argv, "--n-layer 2 differs from the resumed run's 1")
+    argv = resume_argv(train_dir, "changed", 8)
+    train_refused(capsys, [*argv, "--n-layer", "2"], "--n-layer 2 differs from the resumed run's 1")
 
 
 def test_resume_drops_log_records_after_the_checkpoint(train_dir, run4):
     out = copy_of(run4, "late-records")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "kind": "train"}\n{"step": 1')  # after the checkpoint; cut off
-    argv = [*resume_argv(train_dir, "late-records", 6), "--log-every", "2"]
-    train_ok(argv)
+    train_ok([*resume_argv(train_dir, "late-records", 6), "--log-every", "2"])
     assert [m["step"] for m in logged(out, "train")] == [4, 6]
 
 
@@ -2527,8 +2532,7 @@ def test_a_full_disk_keeps_the_last_checkpoint(train_dir, run4, monkeypatch, cap
     out = copy_of(run4, "full-disk")
     before = (out / "ckpt.pt").read_bytes()
     monkeypatch.setattr(setdiff, "open", full_disk, raising=False)
-    argv = resume_argv(train_dir, "full-disk", 8)
-    train_refused(capsys, argv, "the disk is full")
+    train_refused(capsys, resume_argv(train_dir, "full-disk", 8), "the disk is full")
     assert (out / "ckpt.pt").read_bytes() == before
     names = sorted(p.name for p in out.iterdir())
     assert names == ["best.pt", "ckpt.pt", "metrics.jsonl"]
@@ -2575,8 +2579,7 @@ def test_force_removes_the_old_checkpoints_at_once(train_dir, run4, monkeypatch)
     out = copy_of(run4, "forced")
     broken_step = mock.Mock(side_effect=OSError("the disk went away"))
     monkeypatch.setattr(train_small, "train_step", broken_step)
-    argv = run_argv(train_dir, "forced", "--max-steps", "4", "--force")
-    assert train_small.main(argv) == 2
+    assert train_small.main(run_argv(train_dir, "forced", "--max-steps", "4", "--force")) == 2
     assert broken_step.called
     assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
     assert (out / "metrics.jsonl").read_text() == ""
@@ -2785,10 +2788,8 @@ def test_a_data_glob_reads_its_files_sorted(tmp_path):
     assert names == ["part-1.txt", "part-2.txt"]
 
 
-def test_threads_default_to_the_idle_cores_with_the_reason(tmp_path, capsys):
-    write_corpus(tmp_path / "corpus.txt")
-    argv = run_argv(tmp_path, "run", "--max-steps", "1", train=TRAIN[:-2])  # no --threads
-    train_ok(argv)
+def test_threads_default_to_the_idle_cores_with_the_reason(train_dir, capsys):
+    train_ok(run_argv(train_dir, "auto", "--max-steps", "1", train=TRAIN[:-2]))  # no --threads
     out = capsys.readouterr().out
     found = re.search(r"; (\d+) threads? \((\d+) cores, load (\d+) elsewhere", out)
     threads, cores, load = map(int, found.groups())
@@ -2797,10 +2798,8 @@ def test_threads_default_to_the_idle_cores_with_the_reason(tmp_path, capsys):
     assert threads == torch.get_num_threads() == auto
 
 
-def test_threads_flag_sets_the_count(tmp_path, capsys):
-    write_corpus(tmp_path / "corpus.txt")
-    argv = run_argv(tmp_path, "run", "--max-steps", "1", "--threads", "2")
-    train_ok(argv)
+def test_threads_flag_sets_the_count(train_dir, capsys):
+    train_ok(run_argv(train_dir, "two", "--max-steps", "1", "--threads", "2"))
     assert "; 2 threads (requested with --threads)" in capsys.readouterr().out
     assert torch.get_num_threads() == 2
 
@@ -3450,8 +3449,6 @@ def plot_inputs(tmp_path, monkeypatch):
     a += [dict(kind="train", tokens=100, loss=1.0)]
     a += [dict(kind="val", tokens=100, bits_per_byte=4.25)]
     (tmp_path / "a").mkdir()
-    b = [dict(kind="val", tokens=100, bits_per_byte=5.0)]
-    b1 = [dict(kind="val", tokens=100, bits_per_byte=6.0)]  # b's second seed
     row = dict(model="m", window=2, threshold=0.5)
     samples = [dict(row, threshold=None, tokens_per_call=1.0, judge_nll=2.0)]
     samples += [dict(row, tokens_per_call=1.5, judge_nll=2.19)]  # <= 1.1 x 2.0
@@ -3459,8 +3456,9 @@ def plot_inputs(tmp_path, monkeypatch):
     cmp = dict(samples=samples, validation=dict(judge_nll=1.0))
     (tmp_path / "cmp.json").write_text(json.dumps(cmp))
     files = [write_records(tmp_path / "a" / "metrics.jsonl", a)]
-    files += [write_records(tmp_path / "b-s0.jsonl", b)]
-    files += [write_records(tmp_path / "b-s1.jsonl", b1)]
+    for seed, bits in enumerate([5.0, 6.0]):  # b's two seeds
+        b = [dict(kind="val", tokens=100, bits_per_byte=bits)]
+        files += [write_records(tmp_path / f"b-s{seed}.jsonl", b)]
     setdiff.save_checkpoint(tmp_path / "ar.pt", tiny_model(order="ar"), BYTES)
     return [*files, str(tmp_path / "cmp.json"), str(tmp_path / "ar.pt")]
 
@@ -3484,29 +3482,22 @@ def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, cap
         assert err == "error: drawing needs matplotlib (pip install matplotlib)\n"
         return
     assert code == 0
-    assert (tmp_path / "training.png").exists()
-    assert (tmp_path / "frontier.png").exists()
-    assert (tmp_path / "orders.png").exists()
+    drawn = {p.name for p in tmp_path.glob("*.png")}
+    assert drawn == {"training.png", "frontier.png", "orders.png"}
 
 
-def test_plot_decode_orders_of_an_ar_model_run_left_to_right(tmp_path):
+def test_plot_decode_orders_of_an_ar_model_run_left_to_right(plot_inputs):
     """ar: the training order is 0..L-1, and a greedy sample reveals position i at call i - 1
     (position 0, BOS, is given)."""
-    model = tiny_model(order="ar")
-    setdiff.save_checkpoint(tmp_path / "ar.pt", model, BYTES)
-    ((order, calls, shown),) = plot.decode_orders([tmp_path / "ar.pt"]).values()
-    L = model.cfg.seq_len
-    assert order.tolist() == list(range(L))
-    assert shown.tolist() == list(range(1, L))
-    assert calls.tolist() == list(range(L - 1))
+    ((order, calls, shown),) = plot.decode_orders(plot_inputs[-1:]).values()
+    assert order.tolist() == list(range(len(order)))
+    assert shown.tolist() == order[1:].tolist()
+    assert calls.tolist() == order[:-1].tolist()
 
 
 def test_plot_refuses_other_files(tmp_path, capsys):
     assert plot.main([str(tmp_path / "x.txt")]) == 2
-    assert (
-        "give metrics.jsonl, compare/frontier.py .json or checkpoint files"
-        in capsys.readouterr().err
-    )
+    assert "or checkpoint files" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -3663,8 +3654,7 @@ def test_infill_fills_with_the_repetition_penalty(infill_spans, monkeypatch):
 
 def test_infill_refuses_a_model_without_pad_in_one_line(ckpts, capsys):
     """owt.pt has no PAD (as GPT-2 models): the left-side bound cannot cut its rows."""
-    argv = [f"{ckpts}/owt.pt", "--judge", f"{ckpts}/ar.pt", "--rows", "2"]
-    assert infill.main(argv) == 2
+    assert infill.main([f"{ckpts}/owt.pt", "--judge", f"{ckpts}/ar.pt", "--rows", "2"]) == 2
     why = "has no PAD, which infill.py needs to cut a row after its span"
     assert capsys.readouterr().err == f"error: {ckpts}/owt.pt {why}\n"
 

@@ -783,7 +783,8 @@ def evaluate(run: Run, step: int) -> None:
     text_tokens = len(x) * setdiff.text_per_row(run.cfg)
     num_bytes = round(text_tokens * run.val_rows["bytes_per_token"])
     metrics = res.metrics(num_bytes)
-    line = res.line(num_bytes)
+    # the thread count beside the bound: it changes the rounding, which training amplifies
+    line = f"{res.line(num_bytes)}; threads: {torch.get_num_threads()}"
     nll = res.nll_per_token
     require(math.isfinite(nll), f"step {step:,}: the bound is {nll}: diverged; lower --lr")
     best = run.best is None or nll < run.best["nll_per_token"]
