@@ -2336,13 +2336,6 @@ def run4(train_dir):
     return train_dir / "run"
 
 
-def test_every_bound_names_the_thread_count(train_dir, capsys):
-    """Each validation line and the best one: the threads change the rounding."""
-    train_ok(run_argv(train_dir, "threads", "--max-steps", "2", "--eval-every", "1", "--force"))
-    bounds = [x for x in capsys.readouterr().out.splitlines() if "ppl <=" in x]
-    assert len(bounds) == 3 and all("; threads: 1" in x for x in bounds)
-
-
 @pytest.fixture(scope="module")
 def straight(train_dir):
     """A 16-step run, validated at 8 and 16 -> its folder."""
@@ -2798,10 +2791,14 @@ def test_threads_default_to_the_idle_cores_with_the_reason(train_dir, capsys):
     assert threads == torch.get_num_threads() == auto
 
 
-def test_threads_flag_sets_the_count(train_dir, capsys):
+def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
+    """The device line, each validation and the best name it: it changes the rounding."""
     train_ok(run_argv(train_dir, "two", "--max-steps", "1", "--threads", "2"))
-    assert "; 2 threads (requested with --threads)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "; 2 threads (requested with --threads)" in out
     assert torch.get_num_threads() == 2
+    bounds = [x for x in out.splitlines() if "ppl <=" in x]
+    assert len(bounds) == 2 and all("; threads: 2" in x for x in bounds)  # step 1, the best
 
 
 def test_torchrun_two_processes_match_one(tmp_path):
@@ -3487,12 +3484,11 @@ def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, cap
 
 
 def test_plot_decode_orders_of_an_ar_model_run_left_to_right(plot_inputs):
-    """ar: the training order is 0..L-1, and a greedy sample reveals position i at call i - 1
-    (position 0, BOS, is given)."""
-    ((order, calls, shown),) = plot.decode_orders(plot_inputs[-1:]).values()
-    assert order.tolist() == list(range(len(order)))
-    assert shown.tolist() == order[1:].tolist()
-    assert calls.tolist() == order[:-1].tolist()
+    """ar: the training order puts position i in slot i, and a greedy sample reveals it at
+    call i - 1 (position 0, BOS, is given)."""
+    ((training, sample),) = plot.decode_orders(plot_inputs[-1:], first=9).values()
+    assert [t.tolist() for t in training] == [list(range(9))] * 2  # (slots, positions)
+    assert [t.tolist() for t in sample] == [list(range(8)), list(range(1, 9))]  # (calls, ...)
 
 
 def test_plot_refuses_other_files(tmp_path, capsys):

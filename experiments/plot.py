@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "assets"
 DOTS = dict(marker="o", ms=3)  # a line's points
 
 
@@ -44,10 +45,10 @@ def mean_std(seeds):
     return statistics.mean(seeds), std
 
 
-def decode_orders(paths, threshold=0.3):
-    """policy -> (a training order: the position of each slot; the calls of a greedy sample at
-    the default window and `threshold`; the positions they revealed)."""
-    sys.path.insert(0, str(ASSETS.parent))
+def decode_orders(paths, threshold=0.3, first=32):
+    """policy -> the (steps, positions) of its `first` positions in a training order (a step
+    a slot) and in a greedy sample at the default window and `threshold` (a step a call)."""
+    sys.path.insert(0, str(ROOT))
     import torch
 
     import setdiff
@@ -58,10 +59,12 @@ def decode_orders(paths, threshold=0.3):
         cfg = model.cfg
         g = torch.Generator().manual_seed(0)
         order = setdiff.sample_order(cfg, 1, g)[0]
+        slots = torch.where(order < first)[0]
         out = setdiff.generate(model, threshold=threshold, temperature=0)
-        calls = out.reveal_call[0]
+        calls = out.reveal_call[0, :first]
         shown = torch.where(calls >= 0)[0]  # not the given position 0
-        orders[setdiff.policy_name(cfg)] = order, calls[shown], shown
+        sample = calls[shown], shown
+        orders[setdiff.policy_name(cfg)] = (slots, order[slots]), sample
     return orders
 
 
@@ -167,13 +170,12 @@ def draw_reasoning(plt, reasoning):
 
 
 def draw_orders(plt, orders):
-    """A panel a policy: position against step, for the slots of a training order and the
-    calls of a greedy sample."""
+    """A panel a policy: position against step, in a training order and a greedy sample."""
     fig, _ = plt.subplots(1, len(orders), figsize=(13, 3.6))
     for ax, name in zip(fig.axes, orders):
-        order, calls, shown = orders[name]
-        ax.plot(order, ".", color="grey", label="training order (slot)")
-        ax.plot(calls, shown, "x", label="greedy, tau 0.3 (call)")
+        training, sample = orders[name]
+        ax.plot(*training, ".", color="grey", label="training order (step: slot)")
+        ax.plot(*sample, "x", label="greedy, tau 0.3 (step: call)")
         ax.set(title=name, xlabel="step")
     first = fig.axes[0]
     first.set_ylabel("position")
