@@ -278,7 +278,7 @@ def no_empty_rows(mask):
 # ---- Transformer: (tokens, positions, mask, cache) -> logits ---------------------------------
 # The authors' network (a DiT with its timestep modulation off): pre-LayerNorm blocks without
 # LayerNorm biases, rotary embeddings looked up by position id, a tanh-GELU MLP of width 4D,
-# dropout on the residual branches only, an untied zero-initialised output head with a bias.
+# dropout on the residual branches only, an untied output head with a bias.
 # It knows nothing about diffusion: set-causality lives entirely in the mask it is given.
 def rotary_table(length, head_dim):
     """cos, sin (length, hd/2) of the rotary angles pos / 10000^(2i/hd), built in float32 as
@@ -367,7 +367,11 @@ class SetDiffusionLM(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
-        nn.init.zeros_(self.head.weight)  # uniform predictions at step 0
+        # NOTE: the head weight is drawn like every other Linear, where the authors zero it. A
+        # zero head passes the rest no gradient at first and little until it has grown: at the
+        # CPU preset's scale, a plateau at the unigram level for 100-300 steps, whose length
+        # depends on the seed and the machine (experiments/README.md, "The plateau"). Trained
+        # weights (released folders, --init-from) replace it: they load unchanged.
         # a table over position ids: the ids arrive in decode order, not sorted
         cos, sin = rotary_table(cfg.seq_len, D // cfg.n_head)
         self.register_buffer("cos", cos, persistent=False)
