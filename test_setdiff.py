@@ -434,7 +434,7 @@ def test_head_starts_like_every_linear_not_at_zero():
     """N(0, 0.02) weights, not the authors' zeros (their plateau: experiments/README.md)."""
     head = SetDiffusionLM(tiny_cfg()).head
     assert not head.bias.any()
-    assert float(head.weight.std()) == pytest.approx(0.02, rel=0.05)  # 8,320: SE 0.8%
+    assert head.weight.std().item() == pytest.approx(0.02, rel=0.05)  # 8,320: SE 0.8%
 
 
 def test_dropout_sits_on_residual_branches_only():
