@@ -3468,8 +3468,8 @@ def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
     plot.main(plot_inputs)
     out = capsys.readouterr().out
     assert "| training tokens | a | b |" in out
-    assert "| 100 | 4.250 +- 0.000 | 5.500 +- 0.707 |" in out  # (6 - 5) / sqrt(2)
-    assert "| 200 | 3.500 +- 0.000 | nan +- 0.000 |" in out
+    assert "| 100 | 4.250 +- nan | 5.500 +- 0.707 |" in out  # (6 - 5) / sqrt(2)
+    assert "| 200 | 3.500 +- nan | nan +- nan |" in out
     assert "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
 
 

@@ -40,8 +40,8 @@ def seed_bands(runs):
 
 
 def mean_std(seeds):
-    """Their mean and standard deviation (0 for one seed)."""
-    std = statistics.stdev(seeds) if seeds[1:] else 0.0
+    """Their mean and standard deviation (nan for one seed: no spread to show)."""
+    std = statistics.stdev(seeds) if seeds[1:] else np.nan
     return statistics.mean(seeds), std
 
 
