@@ -936,11 +936,12 @@ def stop_at_first_eos(cfg, x, reveal_call):
 
 
 # ---- Checkpoints: setdiff's own, and the authors' released SetDLM folders -------------------
-# A checkpoint file is a line "<CHECKPOINT_FORMAT> <sha256 digest>", then torch.save's bytes
-# of a dict. torch.load does not check the CRCs of its zip, so damaged bytes would load as
-# other weights: the digest catches them. The bytes are made in memory and written by a plain
-# write, so that a full disk is the system's own error (ENOSPC), not an error inside torch.
-CHECKPOINT_FORMAT = "setdiff-checkpoint-3"  # the layout of write_checkpoint, and the network
+# A checkpoint is torch.save's file of a plain dict, as nanoGPT's: torch.load(path,
+# weights_only=True) opens it anywhere. torch.load does not check the CRCs of its zip, so damaged
+# bytes would load as other weights: the dict carries a sha256 digest of everything else in it,
+# checked on load. The bytes are made in memory and written by a plain write, so that a full
+# disk is the system's own error (ENOSPC), not an error inside torch.
+CHECKPOINT_FORMAT = "setdiff-checkpoint-4"  # the layout of write_checkpoint, and the network
 
 
 def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
@@ -951,17 +952,38 @@ def save_checkpoint(path, model: SetDiffusionLM, tokenizer: Tokenizer, **extra):
     write_checkpoint(path, ckpt | extra)
 
 
+def content_digest(value, h=None):
+    """A sha256 over a checkpoint's contents: every tensor's dtype, shape and bytes, every other
+    value's repr, dicts in key order. -> the hashlib object."""
+    h = h or hashlib.sha256()
+    if isinstance(value, torch.Tensor):
+        h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        raw = value.detach().cpu().reshape(-1).view(torch.uint8)
+        h.update(raw.numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            h.update(repr(key).encode())
+            content_digest(value[key], h)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            content_digest(item, h)
+    else:
+        h.update(repr(value).encode())
+    return h
+
+
 def write_checkpoint(path, ckpt: dict):
-    """The header line and the dict's bytes, to a temporary file renamed to `path` (atomic)."""
+    """The dict with its format and digest, to a temporary file renamed to `path` (atomic)."""
+    body = {k: v for k, v in ckpt.items() if k != "digest"}  # a loaded dict carries one
+    body["format"] = CHECKPOINT_FORMAT
+    ckpt = body | {"digest": content_digest(body).hexdigest()}
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)
-    body = buffer.getbuffer()
-    digest = hashlib.sha256(body).hexdigest()
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(f"{CHECKPOINT_FORMAT} {digest}\n".encode())
-            f.write(body)
+            f.write(buffer.getbuffer())
         os.replace(tmp, path)
     except OSError as e:
         why = e.strerror
@@ -973,20 +995,30 @@ def write_checkpoint(path, ckpt: dict):
             os.remove(tmp)
 
 
+def read_checkpoint(path, device="cpu") -> dict:
+    """write_checkpoint's dict, its format and digest checked."""
+    require(os.path.exists(path), f"checkpoint {path} not found: train one with train_small.py")
+    other = f"{path} is not a setdiff checkpoint, or an older setdiff's: retrain it"
+    damaged = f"{path} is not a readable checkpoint: it is damaged"
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"  # torch.save's files are zip archives
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception:
+        raise ValueError(damaged if is_zip else other) from None
+    ours = isinstance(ckpt, dict) and ckpt.get("format") == CHECKPOINT_FORMAT
+    require(ours, other)
+    body = {k: v for k, v in ckpt.items() if k != "digest"}
+    digest = content_digest(body).hexdigest()
+    require(ckpt.get("digest") == digest, f"{damaged} (its sha256 digest differs)")
+    return ckpt
+
+
 def load_checkpoint(path, device="cpu"):
     """(model, tokenizer, checkpoint dict) of save_checkpoint's file or a released model's folder."""
     if os.path.isdir(path):
         return load_released(path, device)
-    require(os.path.exists(path), f"checkpoint {path} not found: train one with train_small.py")
-    with open(path, "rb") as f:
-        header = f.readline(200).split()
-        body = f.read()
-    ours = header[:1] == [CHECKPOINT_FORMAT.encode()]
-    require(ours, f"{path} is not a setdiff checkpoint, or an older setdiff's: retrain it")
-    digest = hashlib.sha256(body).hexdigest().encode()
-    damaged = f"{path} is not a readable checkpoint: it is damaged (its sha256 digest differs)"
-    require(header[1:] == [digest], damaged)
-    ckpt = torch.load(io.BytesIO(body), map_location=device, weights_only=True)
+    ckpt = read_checkpoint(path, device)
     try:  # an unknown config field or weight: another version
         model = SetDiffusionLM(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"], strict=True)

@@ -1225,7 +1225,9 @@ BAD_CHECKPOINTS = {
     "cut.pt": "damaged",
     "damaged.pt": "damaged",  # 4 KB of random bytes in the middle
     "junk.pt": "not a setdiff checkpoint",
-    "torch-file.pt": "not a setdiff checkpoint, or an older setdiff's",
+    "weights-only.pt": "not a setdiff checkpoint, or an older setdiff's",
+    "older.pt": "not a setdiff checkpoint, or an older setdiff's",
+    "edited.pt": "damaged \\(its sha256 digest differs\\)",
     "newer.pt": "does not match",
     "non-finite.pt": "weight head.bias is not finite",
     "missing.pt": "not found",
@@ -1242,7 +1244,10 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     damaged = good[:half] + random.Random(0).randbytes(4096) + good[half + 4096 :]
     (tmp_path / "damaged.pt").write_bytes(damaged)
     (tmp_path / "junk.pt").write_bytes(b"hello")
-    torch.save(ckpt, tmp_path / "torch-file.pt")
+    torch.save(ckpt["model"], tmp_path / "weights-only.pt")  # a plain state dict
+    torch.save(ckpt | {"format": "setdiff-checkpoint-3"}, tmp_path / "older.pt")
+    edited = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] + 1}
+    torch.save(ckpt | {"model": edited}, tmp_path / "edited.pt")  # the old digest kept
     newer = ckpt["config"] | {"flash": True}
     setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
     weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
@@ -2380,6 +2385,17 @@ def test_a_checkpoint_points_at_its_validation_rows(straight):
 
 def test_best_pt_holds_no_optimizer(straight):
     assert "optimizer" not in ckpt_of(straight, "best.pt")
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "best.pt"])
+def test_plain_torch_load_opens_a_runs_checkpoint(straight, name):
+    """nanoGPT's convention: a dict that torch.load(weights_only=True) opens, no setdiff."""
+    ckpt = torch.load(straight / name, weights_only=True)
+    model, tok, _ = load_checkpoint(straight / name)
+    assert setdiff.Config(**ckpt["config"]) == model.cfg
+    assert ckpt["tokenizer"] == tok.spec()
+    for key, w in model.state_dict().items():
+        assert torch.equal(ckpt["model"][key], w)
 
 
 @pytest.fixture(scope="module")
@@ -3766,3 +3782,126 @@ def test_pip_installs_setdiff_and_the_two_scripts():
     for entry in meta["project"]["scripts"].values():
         module, name = entry.split(":")
         assert callable(getattr(importlib.import_module(module), name))
+
+
+# ---- experiments/gpu_check.py --------------------------------------------------------------
+# No test id here holds "on_cpu" or "on_cuda": the script runs `pytest -k` with them itself.
+gpu_check = importlib.import_module("gpu_check")
+
+
+def test_gpu_check_forward_flops_of_lm1b_are_the_readmes():
+    """README.md's projection for --preset lm1b (a forward of 26.6 TFLOP a step: blocks 22.3,
+    head 3.1, attention 1.2; a training step 79.7), from a block's own weights."""
+    preset = train_small.LM1B
+    keys = ("seq_len", "n_layer", "n_head", "d_model")
+    shape = {key: preset[key] for key in keys}
+    ids = dict(mask_id=103, bos_id=101, eos_id=101, pad_id=0)  # BERT's
+    cfg = Config(30522, **shape, **ids)
+    rows = preset["global_batch"]
+    L = cfg.seq_len
+    block = setdiff.Block(cfg)  # 12 of them
+    matrices = [p.numel() for p in block.parameters() if p.dim() == 2]
+    weights = cfg.n_layer * sum(matrices)
+    blocks = 2 * weights * rows * 2 * L  # the clean and the mask stream
+    head = 2 * cfg.d_model * cfg.vocab_size * rows * L  # the mask stream only
+    pairs = rows * cfg.n_layer * (2 * L) ** 2
+    attention = 2 * pairs * cfg.d_model * 2  # q.k, then the sum of v: a multiply-add each
+    flops = gpu_check.forward_flops(cfg, rows)
+    assert flops == dict(blocks=blocks, head=head, attention=attention)
+    tflop = [round(n / 1e12, 1) for n in flops.values()]
+    assert tflop == [22.3, 3.1, 1.2]
+    forward = sum(flops.values()) / 1e12
+    assert round(forward, 1) == 26.6
+    assert round(3 * forward, 1) == 79.7
+
+
+@table(
+    "name, peak",
+    {
+        "h100-sxm": ("NVIDIA H100 80GB HBM3", 989e12),
+        "h100-pcie": ("NVIDIA H100 PCIe", 756e12),
+        "h200": ("NVIDIA H200", 989e12),
+        "a100": ("NVIDIA A100-SXM4-80GB", 312e12),
+    },
+)
+def test_gpu_check_peak_flops_by_device_name(name, peak):
+    assert gpu_check.peak_flops(name) == peak
+
+
+def test_gpu_check_unknown_device_has_no_mfu():
+    assert math.isnan(gpu_check.peak_flops("Tesla T4"))
+
+
+def test_gpu_check_a_failing_part_becomes_an_error_row():
+    def broken(n):
+        raise RuntimeError(f"CUDA error: {n}\n  out of memory")
+
+    rows = gpu_check.run_part("train", broken, 7)
+    error = "RuntimeError: CUDA error: 7 out of memory"
+    assert rows == [dict(part="train", variant="error", error=error)]
+
+
+def test_gpu_check_without_a_gpu_exits_2_pointing_to_the_dry_run(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        assert gpu_check.main(["--json", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--dry-run" in err
+    assert not path.exists()
+
+
+def test_gpu_check_refuses_an_unwritable_json_folder_before_the_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "c.json"
+    with mock.patch.object(gpu_check, "measure") as measure:
+        assert gpu_check.main(["--dry-run", "--json", path]) == 2
+    measure.assert_not_called()
+    assert "--json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def gpu_check_rows(tmp_path_factory):
+    """`experiments/gpu_check.py --dry-run` as a user runs it -> its JSON's rows by part."""
+    path = tmp_path_factory.mktemp("gpu-check") / "check.json"
+    r = python("experiments/gpu_check.py", "--dry-run", "--json", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {}
+    for row in json.loads(path.read_text())["rows"]:
+        rows.setdefault(row["part"], []).append(row)
+    return rows
+
+
+def test_gpu_check_dry_run_measures_every_part_without_an_error(gpu_check_rows):
+    assert list(gpu_check_rows) == ["tests", "train", "loader", "sampler", "cache"]
+    for rows in gpu_check_rows.values():
+        assert all(row["variant"] != "error" for row in rows)
+
+
+def test_gpu_check_dry_run_counts_the_cpu_tests(gpu_check_rows):
+    (tests,) = gpu_check_rows["tests"]
+    assert tests["variant"] == "-k on_cpu"  # the CPU twins of the GPU run's tests
+    for word in ("passed", "failed", "skipped"):
+        assert isinstance(tests[word], int)
+
+
+def test_gpu_check_dry_run_times_the_training_step_eager_and_compiled(gpu_check_rows):
+    train = gpu_check_rows["train"]
+    assert [row["variant"] for row in train] == ["eager", "compiled (eager)"]
+    for row in train:
+        assert math.isfinite(row["seconds"])
+        assert row["tokens_per_s"] > 0
+
+
+def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
+    loader = gpu_check_rows["loader"]
+    assert [row["variant"] for row in loader] == ["rows", "orders"]
+    assert all(0 < row["seconds"] < math.inf for row in loader)
+    sampler = gpu_check_rows["sampler"]
+    assert len(sampler) == 3 * 2  # plain, tau > 1, tau 0.1 at batch 1 and 4
+    assert all(row["tokens_per_s"] > 0 for row in sampler)
+
+
+def test_gpu_check_dry_run_finds_the_cache_exact(gpu_check_rows):
+    (cache,) = gpu_check_rows["cache"]
+    assert cache["exact"] is True

@@ -1,0 +1,355 @@
+"""The first minutes on a GPU, measured rather than debugged: the CUDA tests; train_small's own
+training step of --preset lm1b, eager and compiled (seconds, tokens/s, peak memory, MFU); the row
+loader against a 0.2 s step; the sampler on the 132M network beside a plain KV-cached causal
+decoder; the cache's exactness on CUDA. Sized for at most 8 minutes on one H100. One table; the
+rows go to --json after every part, so that a run cut short keeps what it measured, and a part
+that fails becomes an error row while the others still run. --dry-run: every part on the CPU
+with tiny shapes, a check of this script (its numbers measure nothing).
+
+    python experiments/gpu_check.py --json assets/gpu-check.json
+    python experiments/gpu_check.py --dry-run --json /tmp/gpu-check.json   # the CPU, tiny shapes
+"""
+
+import argparse
+import functools
+import itertools
+import math
+import re
+import shlex
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# `python experiments/gpu_check.py` puts experiments/ on the path, not the repository root
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import bench  # noqa: E402  (experiments/bench.py: the plain decoder, the cache's check)
+from compare import write_json  # noqa: E402
+
+import setdiff  # noqa: E402
+import train_small  # noqa: E402
+from setdiff import require  # noqa: E402
+
+SPECIALS = "[PAD] [UNK] [CLS] [SEP] [MASK]".split()  # a BERT vocab.txt's, first
+STEP = 0.2  # seconds of an lm1b step at 40% MFU on one H100 (README.md): the loader's yardstick
+WINDOW = 4  # the sampler's w: d of the lm1b preset
+# dense bf16 FLOP/s by a name inside the device's; the first match wins (H100 PCIe before H100)
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+# What differs between the GPU run and --dry-run; `flags` go to train_small after
+# --preset lm1b --device DEVICE.
+MODES = {
+    "gpu": dict(
+        device="cuda",
+        flags="",
+        vocab=30522,  # BERT's
+        tests="on_cuda",
+        backend="inductor",
+        sizes=[1, 64],
+        repeats=5,
+        memmap_rows=1 << 22,  # LM1B's ~0.8B tokens make millions of rows: a 1 GiB memmap
+        timeout=180,  # seconds: the tests' share of the 8 minutes
+    ),
+    "dry": dict(
+        device="cpu",
+        flags="--threads 1 --n-layer 2 --n-head 2 --d-model 64 --seq-len 32 "
+        "--batch-size 2 --global-batch 4",
+        vocab=300,
+        tests="on_cpu",
+        backend="eager",  # dynamo's tracing without inductor's code generation, slow on a CPU
+        sizes=[1, 4],
+        repeats=2,
+        memmap_rows=1 << 12,
+        timeout=120,
+    ),
+}
+
+
+def forward_flops(cfg, rows) -> dict:
+    """FLOPs of the forward passes of one training step of `rows` rows, by part: 2 x weights x
+    tokens for the matmuls (a multiply and an add per weight and token), through the blocks
+    for all 2L tokens (clean | mask stream), through the head for the L mask-stream tokens
+    only (queries=L); attention's scores q.k and weighted sums of v over all 2L x 2L pairs
+    (SDPA with an explicit mask computes the masked ones too). Embedding lookups are free."""
+    D = cfg.d_model
+    T = 2 * cfg.seq_len
+    weights = 12 * D * D  # a block's: qkv 3D^2, proj D^2, MLP 8D^2
+    blocks = 2 * cfg.n_layer * weights * rows * T
+    head = 2 * D * cfg.vocab_size * rows * cfg.seq_len
+    attention = 2 * 2 * cfg.n_layer * rows * T * T * D
+    return dict(blocks=blocks, head=head, attention=attention)
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def peak_flops(name: str) -> float:
+    for key, flops in PEAK_BF16.items():
+        if key in name:
+            return flops
+    return math.nan  # an unknown device: no MFU
+
+
+def made_up_data(folder, vocab_size, lines):
+    """A BERT-style vocab.txt (the specials, then made-up four-letter words) and a corpus of
+    20-word sentences of those words: train_small's own tokenizer and rows then run."""
+    letters = itertools.product(string.ascii_lowercase, repeat=4)
+    letters = itertools.islice(letters, vocab_size - len(SPECIALS))
+    words = ["".join(w) for w in letters]
+    vocab = "\n".join([*SPECIALS, *words])
+    (folder / "vocab.txt").write_text(vocab + "\n")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(words), (lines, 20), generator=g)
+    picked = ids.tolist()
+    sentences = [" ".join(words[i] for i in row) for row in picked]
+    (folder / "corpus.txt").write_text("\n".join(sentences) + "\n")
+
+
+def median_seconds(work, device, warmup, repeats) -> float:
+    """Median seconds of work(i) over the calls i >= warmup; queued GPU work is waited for."""
+    seconds = []
+    for i in range(warmup + repeats):
+        setdiff.synchronize(device)
+        start = time.perf_counter()
+        work(i)
+        setdiff.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[warmup:])
+
+
+# ---- The parts: each -> rows of the table --------------------------------------------------
+def pytest_counts(key, timeout) -> list:
+    """The device-parametrized tests of one device, in a subprocess: pytest's summary counts."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "test_setdiff.py", "-k", key]
+    cmd += ["-p", "no:cacheprovider"]  # leave the --lf record of other runs alone
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    seconds = time.perf_counter() - start
+    lines = out.stdout.strip().splitlines() or [""]
+    summary = re.findall(r"(\d+) (\w+)", lines[-1])  # "3 passed, 1 error, 40 deselected in 9s"
+    counts = {word.removesuffix("s"): int(n) for n, word in summary}
+    variant = f"-k {key}"
+    row = dict(part="tests", variant=variant, seconds=seconds, returncode=out.returncode)
+    for word in ("passed", "failed", "skipped", "errors", "deselected"):
+        row[word] = counts.get(word.removesuffix("s"), 0)
+    failing = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    row["failing"] = failing  # in the JSON, not the table
+    return [row]
+
+
+@functools.cache  # once for both variants
+def training_run(flags: tuple):
+    args, given = train_small.parse_args(list(flags))
+    return train_small.setup(args, given)
+
+
+def train_speed(flags, backend, repeats) -> list:
+    """train_small's train_step of its lm1b run, eager (backend None) or compiled: a step's
+    median seconds after two warm-up steps (the first compiles), tokens/s, peak memory, MFU."""
+    run = training_run(flags)
+    variant = "eager"
+    if backend:
+        run.net = torch.compile(run.net, backend=backend)
+        variant = f"compiled ({backend})"
+    cuda = run.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(run.device)
+
+    def one_step(i):
+        # the loss read as the training loop reads it: one sync a step
+        float(train_small.train_step(run, run.step))
+        run.step += 1
+
+    seconds = median_seconds(one_step, run.device, 2, repeats)
+    peak = math.nan
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(run.device) / 2**30
+    flops = 3 * sum(forward_flops(run.cfg, run.G).values())  # backward ~ 2 forwards
+    mfu = flops / seconds / peak_flops(device_name(run.device))
+    speed = run.G * run.cfg.seq_len / seconds  # data tokens, as train_small reports them
+    row = dict(part="train", variant=variant, seconds=seconds, tokens_per_s=speed)
+    return [row | dict(peak_gib=peak, mfu=mfu, tflop_per_step=flops / 1e12)]
+
+
+def loader_speed(folder, args, cfg, device, n, repeats):
+    """What train_step does before the network, step by step: the rows of its micro-batches
+    (batch_rows, the memmap's rows, int64, to the device) and the decode orders (drawn on the
+    CPU, then moved); seconds a step against the 0.2 s of an lm1b step."""
+    shape = (n, cfg.seq_len)
+    rows = np.memmap(folder / "rows.bin", np.uint16, "w+", shape=shape)
+    rows[:] = cfg.mask_id  # every page written, as a prepared memmap's
+    G = args.global_batch
+    accum = G // args.batch_size
+
+    def fetch_rows(step):  # step 0 also draws the epoch's permutation: warm-up
+        ids = train_small.batch_rows(0, step, G, n)
+        for part in ids.reshape(accum, -1):
+            x = rows[part].astype(np.int64)
+            torch.from_numpy(x).to(device)
+
+    def draw_orders(step):
+        generator = torch.Generator().manual_seed(step)
+        orders = setdiff.sample_order(cfg, G, generator)
+        for order in orders.reshape(accum, -1, cfg.seq_len):
+            order.to(device)
+
+    out = []
+    for name, work in (("rows", fetch_rows), ("orders", draw_orders)):
+        seconds = median_seconds(work, device, 1, repeats)
+        ratio = STEP / seconds
+        row = dict(part="loader", variant=name, seconds=seconds)
+        out.append(row | dict(times_faster=ratio, fast_enough=ratio >= 10))
+    return out
+
+
+def sampler_model(cfg, device):
+    """The network of the run's shape, random weights but a peaked head: its confidences then
+    pass tau = 0.1 as a trained model's do, so that tau 0.1 reveals several tokens a call."""
+    torch.manual_seed(0)  # the weights, as train_small seeds them
+    with torch.device(device):
+        model = setdiff.SetDiffusionLM(cfg)
+    g = torch.Generator(device).manual_seed(0)
+    torch.nn.init.normal_(model.head.weight, std=1.0, generator=g)
+    return model.eval()
+
+
+def sampler_speed(cfg, device, dtype, sizes, repeats) -> list:
+    """Full rows at each batch size, one token a call and tau = 0.1, beside bench.py's plain
+    decoder: bench's own interleaved rounds (a warm-up, then the median of `repeats`)."""
+    model = sampler_model(cfg, device)
+    samplers = {}
+    for tau in (math.inf, 0.1):
+        samplers[f"w={WINDOW}, tau={tau:g}"] = dict(window=WINDOW, threshold=tau)
+    plain = dict(temperature=1.0, top_p=1.0)  # generate's defaults
+    with setdiff.autocast(device, dtype):
+        timings = bench.timed_rounds(model, samplers, sizes, repeats, plain)
+    rows = []
+    for (name, B), (per_call, speed, spread) in timings.items():
+        row = dict(part="sampler", variant=f"{name}, batch {B}", tokens_per_s=speed)
+        rows.append(row | dict(tokens_per_call=per_call, spread=spread))
+    return rows
+
+
+def cache_exact(cfg, device, batch_size) -> list:
+    model = sampler_model(cfg, device)
+    exact = bench.cache_is_exact(model, batch_size, WINDOW)  # greedy, float64, on the device
+    variant = f"cached = cache-free, batch {batch_size}"
+    return [dict(part="cache", variant=variant, exact=exact)]
+
+
+def run_part(name, work, *inputs) -> list:
+    """A part's rows, or one error row: a failing part must not cost the others their minutes."""
+    try:
+        return work(*inputs)
+    except Exception as e:
+        error = f"{type(e).__name__}: {setdiff.one_line(e)}"
+        return [dict(part=name, variant="error", error=error)]
+
+
+def cell(key, value) -> str:
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"  # 4 digits: a measurement, not more
+    return f"{key} {value}"
+
+
+def print_table(rows) -> None:
+    print("\n| part | variant | seconds | tokens/s | more |\n|---|---|---|---|---|")
+    shown = ("part", "variant", "seconds", "tokens_per_s", "failing")
+    for row in rows:
+        seconds = "-"  # a part that measures no time, or no tokens
+        speed = "-"
+        if "seconds" in row:
+            seconds = f"{row['seconds']:.4g}"
+        if "tokens_per_s" in row:
+            speed = f"{row['tokens_per_s']:,.0f}"
+        more = [cell(k, v) for k, v in row.items() if k not in shown]
+        cells = [row["part"], row["variant"], seconds, speed, ", ".join(more)]
+        print(f"| {' | '.join(cells)} |")
+
+
+def train_flags(folder, mode):
+    """train_small.py's flags: --preset lm1b (dry: tiny shapes) on the made-up data."""
+    flags = ["--preset", "lm1b", "--device", mode["device"], *mode["flags"].split()]
+    flags += ["--tokenizer", str(folder / "vocab.txt"), "--data", str(folder / "corpus.txt")]
+    flags += ["--out", str(folder / "run"), "--cache-dir", str(folder / "cache")]
+    flags += ["--workers", "1", "--dtype", "bfloat16"]
+    return flags + ["--val-fraction", "0.5"]  # a validation row from little text
+
+
+def measure(folder, mode, json_path, header):
+    """Every part, in order; the rows so far to --json after each."""
+    flags = train_flags(folder, mode)
+    train_args, _ = train_small.parse_args(flags)
+    lines = train_args.global_batch * train_args.seq_len // 4  # rows for several steps
+    made_up_data(folder, mode["vocab"], lines)
+    tok = train_small.load_tokenizer(train_args.tokenizer)
+    cfg = train_small.model_config(train_args, tok)
+    device, dtype, _ = setdiff.runtime(train_args.device, train_args.dtype, train_args.threads)
+    sizes = mode["sizes"]
+    repeats = mode["repeats"]
+    parts = [  # the compiled step last: its compilation is the slowest and likeliest to fail
+        ("tests", pytest_counts, mode["tests"], mode["timeout"]),
+        ("train", train_speed, tuple(flags), None, repeats),
+        ("loader", loader_speed, folder, train_args, cfg, device, mode["memmap_rows"], repeats),
+        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats),
+        ("cache", cache_exact, cfg, device, sizes[-1]),
+        ("train", train_speed, tuple(flags), mode["backend"], repeats),
+    ]
+    start = time.perf_counter()
+    rows = []
+    for part, work, *inputs in parts:
+        rows += run_part(part, work, *inputs)
+        seconds = time.perf_counter() - start
+        write_json(json_path, header | dict(seconds=seconds, rows=rows))
+    return rows
+
+
+def check(args, command) -> int:
+    no_gpu = "no CUDA GPU here: run with --dry-run to check every part on the CPU"
+    require(args.dry_run or torch.cuda.is_available(), no_gpu)
+    train_small.check_folder("--json", Path(args.json).parent)  # before the work
+    mode = MODES["dry" if args.dry_run else "gpu"]
+    device = torch.device(mode["device"])
+    name = device_name(device)
+    cuda = torch.version.cuda
+    version = torch.__version__
+    print(f"# experiments/gpu_check.py\ncommand: {command}\n{name}; torch {version}, CUDA {cuda}")
+    header = dict(command=command, device=name, torch=version, cuda=cuda)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
+        rows = measure(Path(folder), mode, args.json, header)
+    print_table(rows)
+    print(f"\n{time.perf_counter() - start:.0f} s; the rows are in {args.json}")
+    failed = [row for row in rows if row["variant"] == "error"]
+    return int(bool(failed))  # 1: a part failed
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    argv = [str(a) for a in argv]  # paths too
+    summary = __doc__.split("\n\n")[0]
+    p = argparse.ArgumentParser(description=summary)
+    add = p.add_argument
+    add("--json", default="gpu_check.json", help="rows, after every part (gpu_check.json)")
+    add("--dry-run", action="store_true", help="every part on the CPU with tiny shapes")
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "experiments/gpu_check.py", *argv])
+    try:
+        return check(args, command)
+    except (ValueError, OSError) as e:  # setdiff raises ValueError for bad input
+        print(f"error: {setdiff.one_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
