@@ -201,7 +201,7 @@ def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=N
     if pad is not None:
         key = torch.where(pad.cpu(), math.inf, key)
     order = torch.argsort(key, dim=1, stable=True)
-    return order.to(device)
+    return upload(order, device)
 
 
 def max_window(cfg):
@@ -416,8 +416,8 @@ def two_stream_logits(model, x, order):
     tokens = torch.cat([clean, masks], 1)  # (B, 2L) clean | mask
     positions = torch.cat([order, order], 1)  # (B, 2L) original positions
     attn = set_causal_mask(L, x.device)[None]  # (1, 2L, 2L)
-    pad = padding(model.cfg, clean)  # padding is ordered last
-    if pad.any():
+    if model.cfg.pad_id is not None:  # padding is ordered last; never a tensor's `if` (a sync)
+        pad = padding(model.cfg, clean)
         valid = torch.cat([~pad, ~pad], 1)  # (B, 2L)
         attn = attn & valid[:, :, None]  # no query at padding
         attn = attn & valid[:, None, :]  # no key at padding
@@ -615,9 +615,10 @@ def draw_candidates(logits, temperature, top_p, generator=None):
     cdf = p_sorted.double().cumsum(-1)
     shape = cdf.shape[:-1]  # (B, n)
     u = torch.rand(shape, generator=generator, dtype=torch.float64)
-    u = u.to(cdf.device) * cdf[..., -1]
+    u = upload(u, cdf.device) * cdf[..., -1]
     u = u[..., None]
     j = torch.searchsorted(cdf, u, right=True)  # (B, n, 1): the first cdf > u
+    j = j.clamp(max=cdf.shape[-1] - 1)  # NaN logits (a diverged model): generate refuses them
     cand = vocab_idx.gather(-1, j).to(device)
     conf = p_sorted.gather(-1, j).to(device)
     return cand[..., 0], conf[..., 0]
@@ -645,12 +646,14 @@ def commit_rule(conf, valid, threshold):
     return valid & ((conf >= threshold) | top)
 
 
-def gather_sets(select, key=None):
+def gather_sets(select, key=None, n=None):
     """Ragged per-row sets as padded index lists: select (B, T) bool -> idx (B, n), valid
     (B, n), the selected positions in position order, or sorted by `key` (B, T) with ties in
-    position order. Padded entries hold position 0 and are masked wherever they are used."""
+    position order. Padded entries hold position 0 and are masked wherever they are used. n:
+    the most any row selects, or None to read it from the device (a host sync)."""
     count = select.sum(1, keepdim=True)  # (B, 1)
-    n = int(count.max()) if select.numel() else 0
+    if n is None:
+        n = int(count.max()) if select.numel() else 0
     if key is None:
         key = torch.zeros_like(select, dtype=torch.long)
     last = torch.iinfo(torch.long).max  # not selected: after every selected position
@@ -702,13 +705,21 @@ class KVCache:
 
     def store(self, new_idx, new_valid):
         """After a call: the new tokens' keys/values, still behind the cache in every layer,
-        move to their positions, which later calls then see."""
-        b, j = new_valid.nonzero(as_tuple=True)  # (N,) row and call slot of each new token
-        p = new_idx[b, j]  # (N,) its position
-        slot = self.length + j
+        move to their positions, which later calls then see. A scatter, not a gather of the
+        valid entries: their count is on the device, and reading it would wait for it."""
+        C = self.length
+        n = new_idx.shape[1]
+        # a padded entry goes to slot C + n, this call's first query's, which no later call
+        # reads before writing it
+        dest = torch.where(new_valid, new_idx, C + n)  # (B, n)
+        N, B, H, _, hd = self.shape
+        index = dest[None, :, None, :, None].expand(N, B, H, n, hd)
         for buffer in (self.k, self.v):
-            buffer[:, b, :, p] = buffer[:, b, :, slot]
-        self.filled[b, p] = True
+            new = buffer[:, :, :, C : C + n].clone()  # (N, B, H, n, hd)
+            buffer.scatter_(3, index, new)
+        hits = torch.zeros_like(self.filled, dtype=torch.int)
+        hits.scatter_add_(1, torch.where(new_valid, new_idx, 0), new_valid.int())
+        self.filled |= hits > 0
 
 
 def predict(model, x, new, queries, cache=None):
@@ -733,10 +744,11 @@ def predict(model, x, new, queries, cache=None):
     m = q_idx.shape[1]
     C = 0 if cache is None else cache.length  # cache slots
     # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
-    cached_rank = torch.zeros(C)
-    new_rank = torch.arange(1, n + 1)
-    query_rank = torch.full((m,), n + 1)
-    rank = torch.cat([cached_rank, new_rank, query_rank]).to(x.device)
+    on = x.device  # made there: a CPU tensor moved to a GPU waits for its queued work
+    cached_rank = torch.zeros(C, device=on)
+    new_rank = torch.arange(1, n + 1, device=on)
+    query_rank = torch.full((m,), n + 1, device=on)
+    rank = torch.cat([cached_rank, new_rank, query_rank])
     slot = torch.arange(C + n + m, device=x.device)
     is_mask = slot >= C + n
     call = slice(C, None)  # this call's n + m tokens are the queries of the mask
@@ -876,18 +888,26 @@ def generate(
     block_size = cfg.set_size if cfg.order == "block" else None
     was_training = model.training
     model.eval()  # dropout off; restored below
+    n_new = P  # tokens a call feeds: the P given ones at the first call, then a set (<= w)
+    n_query = min(w, T)  # fixed sizes: no call reads a count from the device
+    diverged = torch.zeros((), dtype=torch.bool, device=device)
     calls = 0
-    while not done.all():
+    while True:
+        # the call's one read of the device: are all rows done, were any outputs NaN
+        finished, nan = torch.stack([done.all(), diverged]).tolist()
+        require(not nan, "the model's outputs are NaN: its weights diverged")
+        if finished:
+            break
         # 1. the window of each unfinished row
         masked = (x == cfg.mask_id) & ~done[:, None]
-        queries = gather_sets(window_queries(masked, w, block_size))
+        queries = gather_sets(window_queries(masked, w, block_size), n=n_query)
         # 2. one network call (cached: it also writes the last call's set into the cache)
         if use_cache:
-            new = gather_sets(pending)
+            new = gather_sets(pending, n=n_new)
         else:  # the cache-free step: every revealed token, in decode order (call, position)
             new = gather_sets(reveal_call >= GIVEN, key=reveal_call)
         logits = predict(model, x, new, queries, cache)
-        require(not logits.isnan().any(), "the model's outputs are NaN: its weights diverged")
+        diverged |= logits.isnan().any()
         if repetition_penalty != 1:
             seen = (reveal_call >= first_seen) & ~padding(cfg, x)
             logits = penalize_repeats(logits, x, seen, repetition_penalty)
@@ -895,10 +915,13 @@ def generate(
         cand, conf = draw_candidates(logits, temperature, top_p, generator)  # (B, m)
         q_idx, q_valid = queries
         reveal = commit_rule(conf, q_valid, threshold)  # (B, m)
-        b, j = reveal.nonzero(as_tuple=True)  # (N,) rows and queries revealed
-        p = q_idx[b, j]  # (N,) their positions
-        x[b, p] = cand[b, j]
-        reveal_call[b, p] = calls
+        # the set written by a scatter at the queries' positions; a query not revealed (or a
+        # padded one, at the given position 0) writes back what is there
+        tokens = torch.where(reveal, cand, x.gather(1, q_idx))
+        x.scatter_(1, q_idx, tokens)
+        call = torch.where(reveal, calls, reveal_call.gather(1, q_idx))
+        reveal_call.scatter_(1, q_idx, call)
+        n_new = n_query
         pending = reveal_call == calls  # this call's set: the next call caches it
         row_calls += ~done
         calls += 1
@@ -1261,6 +1284,15 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor to `device` without waiting: on a GPU a plain copy from pageable memory
+    waits for all queued GPU work (a host sync), a copy from pinned memory does not."""
+    device = torch.device(device or "cpu")
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def synchronize(device: torch.device) -> None:

@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import sample
 import setdiff
@@ -51,6 +53,57 @@ def one_thread():
 def table(names: str, cases: dict):
     """pytest.mark.parametrize over {test id: case}."""
     return pytest.mark.parametrize(names, list(cases.values()), ids=list(cases))
+
+
+# The numerical tests that a GPU can run take a device: "on_cpu" always, "on_cuda" where torch
+# sees a CUDA GPU (skipped elsewhere, never failed); experiments/gpu_check.py runs them by id.
+CUDA = torch.cuda.is_available()
+no_gpu = pytest.mark.skipif(not CUDA, reason="no CUDA GPU here")
+on_devices = pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="on_cpu"), pytest.param("cuda", id="on_cuda", marks=no_gpu)]
+)
+
+
+# Operations that bring a result to the host: on a GPU each waits for all queued work. A
+# tensor's `if` is __bool__; a boolean mask's indexing reads the count of its True entries.
+HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+HOST_READS |= {"cpu", "numpy", "equal", "masked_select", "unique"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host reads of HOST_READS on a CPU, where none waits for anything."""
+
+    def __init__(self, reads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") else None
+        bool_index = torch.is_tensor(index) and index.dtype == torch.bool
+        if name in HOST_READS or bool_index:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def host_reads(device):
+    """-> a list of the host reads in the block: CUDA's own sync check on a GPU (a warning for
+    each operation that waits for the GPU), HostReads on a CPU."""
+    reads = []
+    if device == "cpu":
+        with HostReads(reads):
+            yield reads
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield reads
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    reads += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 def gen(seed):
@@ -103,16 +156,16 @@ def nll_of(model, x, order, scored):
 def causal_logits(model, tokens, positions):
     """A causal forward: each slot sees itself and the slots before it -> logits (B, T, V)."""
     T = tokens.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None]
     return model(tokens, positions, causal)
 
 
 def one_query_logits(model, x, revealed, target):
     """Logits (V,) for x[0, target] from a forward of just the revealed tokens (causal among
     themselves, in the order given) and ONE mask query that sees all of them and itself."""
-    mask = torch.tensor([model.cfg.mask_id])
+    mask = torch.tensor([model.cfg.mask_id], device=x.device)
     tokens = torch.cat([x[0, revealed], mask])[None]
-    positions = torch.tensor([revealed + [target]])
+    positions = torch.tensor([revealed + [target]], device=x.device)
     return causal_logits(model, tokens, positions)[0, -1]
 
 
@@ -466,11 +519,12 @@ def test_position_logits_depend_only_on_earlier_tokens_in_the_order():
         assert torch.equal(changed, slot_of[j] < slot_of), j
 
 
-def test_position_logits_equal_one_query_forwards():
+@on_devices
+def test_position_logits_equal_one_query_forwards(device):
     """x[sigma_<r] alone (causal) and ONE mask query at sigma_r give logits[sigma_r]."""
-    model = tiny_model()
-    x = random_rows(model.cfg, 1)
-    order = sample_order(model.cfg, 1, gen(6))
+    model = tiny_model().to(device)
+    x = random_rows(model.cfg, 1).to(device)
+    order = sample_order(model.cfg, 1, gen(6), device)
     base = setdiff.position_logits(model, x, order)[0]
     sigma = order[0].tolist()
     for r in range(24):
@@ -743,27 +797,62 @@ def test_zero_head_predicts_uniformly_over_all_but_mask():
     assert math.isclose(loss.item(), math.log(cfg.vocab_size - 1), rel_tol=1e-6)
 
 
-def test_generation_never_emits_mask():
-    model = biased_model({BYTES.mask_id: 50.0})
-    out = generate(model, batch_size=2, generator=gen(0))
+@on_devices
+@table("compute", {"float32": torch.float32, "bfloat16": torch.bfloat16})
+def test_generation_never_emits_mask(compute, device):
+    """Its logit is -inf, in bf16 too, however much the network prefers it."""
+    model = biased_model({BYTES.mask_id: 50.0}).to(device)
+    with setdiff.autocast(torch.device(device), compute):
+        out = generate(model, batch_size=2, generator=gen(0))
     assert not (out.tokens == model.cfg.mask_id).any()
 
 
-@table(
-    "inputs",
-    {
-        "unconditional": dict(batch_size=2),
-        "infill": dict(infill=holes_in(tiny_cfg(), [(0, 3, 10), (1, 12, 20)], seed=6)[2]),
-    },
-)
-def test_cached_and_cache_free_predictions_agree_on_every_state(inputs):
-    """Replays a generation call by call (float64): the cache holds the earlier calls' sets,
-    the cache-free step feeds every revealed token in decode order."""
-    model = tiny_model(dtype=torch.float64)
+@on_devices
+def test_bf16_autocast_keeps_the_mask_logit_at_minus_inf_and_the_loss_finite(device):
+    model = tiny_model().to(device)
+    x = random_rows(model.cfg, 2).to(device)
+    order = sample_order(model.cfg, 2, gen(2), device)
+    with setdiff.autocast(torch.device(device), torch.bfloat16):
+        z = setdiff.position_logits(model, x, order)
+        loss = setdiff.set_factorized_loss(model, x, order)
+    loss.backward()
+    assert z.dtype == torch.bfloat16
+    assert (z[..., BYTES.mask_id] == -math.inf).all()
+    assert z[..., : BYTES.mask_id].isfinite().all()
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+
+
+STATE_INPUTS = {
+    "unconditional": dict(batch_size=2),
+    "infill": dict(infill=holes_in(tiny_cfg(), [(0, 3, 10), (1, 12, 20)], seed=6)[2]),
+}
+PRECISIONS = {  # the weights' dtype, autocast's (float32: none), and the logits' tolerance
+    "float64": (torch.float64, torch.float32, 1e-10),
+    "float32": (torch.float32, torch.float32, 1e-4),
+    # bf16 keeps 8 bits: logits of 16-32 (this model's) round in steps of 0.125; two steps
+    "bfloat16": (torch.float32, torch.bfloat16, 0.25),
+}
+
+
+@on_devices
+@table("precision", PRECISIONS)
+@table("inputs", STATE_INPUTS)
+def test_cached_and_cache_free_predictions_agree_on_every_state(inputs, precision, device):
+    """Replays a generation call by call: the cache holds the earlier calls' sets, the
+    cache-free step feeds every revealed token in decode order."""
+    dtype, compute, atol = precision
+    model = tiny_model(dtype=dtype).to(device)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with setdiff.autocast(torch.device(device), compute):
+        replay_states(model, inputs, atol)
+
+
+def replay_states(model, inputs, atol):
     cfg = model.cfg
+    device = next(model.parameters()).device
     out = generate(model, window=3, threshold=0.3, temperature=0.0, **inputs)
     calls = out.reveal_call
-    cache = setdiff.KVCache(cfg, 2, 24, max_call=27, device="cpu")
+    cache = setdiff.KVCache(cfg, 2, 24, max_call=27, device=device)
     for n in range(out.calls):
         # before call n: revealed = calls < n; call n-1's set (or the context) not cached
         canvas = torch.where(calls < n, out.tokens, cfg.mask_id)
@@ -774,7 +863,7 @@ def test_cached_and_cache_free_predictions_agree_on_every_state(inputs):
         revealed = setdiff.gather_sets(calls < n, key=calls)  # in decode order
         cache_free = setdiff.predict(model, canvas, revealed, queries)
         valid = queries[1]
-        assert torch.allclose(cached[valid], cache_free[valid], atol=1e-10)
+        assert torch.allclose(cached[valid], cache_free[valid], atol=atol, rtol=0)
 
 
 POLICIES = {  # order, window, threshold
@@ -804,14 +893,16 @@ TEMPERATURES = {"greedy": 0.0, "sampled": 1.0}
 
 
 @functools.cache  # the tests on the grid share the runs (none changes them)
-def generated(policy, decoding, start, use_cache=True):
+def generated(policy, decoding, start, use_cache=True, device="cpu"):
     """Sampled decoding runs in float64 (a float32 rounding difference between the cached
-    and cache-free paths may, rarely, flip a draw), greedy in float32. -> (out, given, context)"""
+    and cache-free paths may, rarely, flip a draw), greedy in float32. -> (out, given, context),
+    all on the CPU"""
     order, window, threshold = POLICIES[policy]
     temperature = TEMPERATURES[decoding]
     dtype = torch.float64 if temperature else torch.float32
-    model = tiny_model(dtype=dtype, order=order)
+    model = tiny_model(dtype=dtype, order=order).to(device)
     inputs, given, context = start_rows(model.cfg, start)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     out = generate(
         model,
         **inputs,
@@ -822,6 +913,8 @@ def generated(policy, decoding, start, use_cache=True):
         generator=gen(8),
         use_cache=use_cache,
     )
+    out.tokens = out.tokens.cpu()
+    out.reveal_call = out.reveal_call.cpu()
     return out, given, context
 
 
@@ -830,10 +923,11 @@ GRID = [(p, t, s) for p in POLICIES for t in TEMPERATURES for s in STARTS]
 on_grid = table("policy,decoding,start", {"-".join(c): c for c in GRID})
 
 
+@on_devices
 @on_grid
-def test_cached_generation_equals_cache_free(policy, decoding, start):
-    a, _, _ = generated(policy, decoding, start)
-    b, _, _ = generated(policy, decoding, start, use_cache=False)
+def test_cached_generation_equals_cache_free(policy, decoding, start, device):
+    a, _, _ = generated(policy, decoding, start, device=device)
+    b, _, _ = generated(policy, decoding, start, False, device)
     assert torch.equal(a.tokens, b.tokens)
     assert torch.equal(a.reveal_call, b.reveal_call)
     assert a.calls == b.calls
@@ -851,9 +945,10 @@ def test_generation_takes_the_calls_of_the_slowest_row(policy, decoding, start):
     assert out.calls == int(out.row_calls.max())
 
 
+@on_devices
 @on_grid
-def test_generation_keeps_the_given_tokens(policy, decoding, start):
-    out, given, context = generated(policy, decoding, start)
+def test_generation_keeps_the_given_tokens(policy, decoding, start, device):
+    out, given, context = generated(policy, decoding, start, device=device)
     assert torch.equal(out.reveal_call == setdiff.GIVEN, given)
     assert torch.equal(out.tokens[given], context[given])
 
@@ -935,6 +1030,7 @@ def holey_rows(model, rows=slice(None)):
     """Greedy infilling of three rows whose holes end apart."""
     spans = [(0, 2, 20), (1, 12, 14), (2, 5, 24)]
     infill = holes_in(model.cfg, spans, seed=4)[2][rows]
+    infill = infill.to(next(model.parameters()).device)
     return generate(model, infill=infill, window=5, threshold=0.3, temperature=0.0)
 
 
@@ -946,8 +1042,9 @@ def holey_rows(model, rows=slice(None)):
         "row-2": 2,  # a hole to the end of the row
     },
 )
-def test_a_batched_row_generates_as_it_would_alone(row):
-    model = tiny_model()
+@on_devices
+def test_a_batched_row_generates_as_it_would_alone(row, device):
+    model = tiny_model().to(device)
     batched = holey_rows(model)
     alone = holey_rows(model, slice(row, row + 1))
     assert torch.equal(alone.tokens[0], batched.tokens[row])
@@ -977,6 +1074,20 @@ def test_threshold_0_reveals_the_whole_window():
 def test_a_middle_threshold_takes_calls_between_the_extremes():
     some = greedy_rows(0.2)
     assert greedy_rows(0.0).calls <= some.calls <= greedy_rows(1.5).calls
+
+
+@on_devices
+@table("decoding", {"greedy": 0.0, "sampled": 1.0})
+def test_a_sampler_call_reads_the_device_once(decoding, device):
+    """Whether every row is done (and no output NaN): the loop's one read. 6 more calls, 6
+    more reads; the checks before the loop read a fixed number."""
+    model = tiny_model().to(device)
+    reads = []
+    for new in (5, 11):  # one token a call: 5 and 11 calls
+        with host_reads(device) as read:
+            generate(model, max_new_tokens=new, window=3, temperature=decoding, generator=gen(0))
+        reads.append(len(read))
+    assert reads[1] - reads[0] == 11 - 5
 
 
 def test_every_call_reveals_a_token_in_every_row():
@@ -1209,6 +1320,16 @@ def test_checkpoint_round_trips_config_tokenizer_weights_and_extras(tmp_path):
     assert ckpt["step"] == 7
     for name, w in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], w)
+
+
+@on_devices
+def test_a_checkpoint_saved_on_a_device_loads_on_the_cpu(tmp_path, device):
+    model = tiny_model().to(device)
+    setdiff.save_checkpoint(tmp_path / "ckpt.pt", model, BYTES, step=7)
+    loaded = load_checkpoint(tmp_path / "ckpt.pt", "cpu")[0]
+    for name, w in loaded.state_dict().items():
+        assert w.device.type == "cpu"
+        assert torch.equal(w, model.state_dict()[name].cpu())
 
 
 def test_a_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
@@ -2292,7 +2413,8 @@ def ckpt_of(out, name="ckpt.pt"):
 def python(*argv, **kw):
     """`python argv...` in the repository, its output captured."""
     cmd = [sys.executable, *argv]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)
+    kw = {"timeout": 300} | kw
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
 
 
 def same_weights(a, b):
@@ -2408,8 +2530,25 @@ def split_output(train_dir):
     return out.getvalue()
 
 
-def test_a_resumed_run_ends_with_the_uninterrupted_weights(train_dir, straight, split_output):
-    assert same_run(ckpt_of(straight), ckpt_of(train_dir / "split"))
+@pytest.fixture
+def deterministic(monkeypatch):
+    """CUDA's deterministic kernels (its fastest ones may sum in any order), as a user who needs
+    repeatable GPU runs turns them on; nothing changes on a CPU."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@on_devices
+def test_a_resumed_run_ends_with_the_uninterrupted_weights(train_dir, device, deterministic):
+    """6 steps, and 3 resumed to 6, on one device: the same raw and EMA weights."""
+    flags = ["--device", device, "--eval-every", "3", "--max-steps"]
+    train_ok(run_argv(train_dir, f"whole-{device}", *flags, "6"))
+    train_ok(run_argv(train_dir, f"half-{device}", *flags, "3"))
+    train_ok(resume_argv(train_dir, f"half-{device}", 6))
+    whole = ckpt_of(train_dir / f"whole-{device}")
+    assert same_run(whole, ckpt_of(train_dir / f"half-{device}"))
 
 
 def test_a_resumed_run_keeps_its_threads(split_output):
@@ -2502,6 +2641,44 @@ def test_a_resumed_fine_tune_equals_the_uninterrupted_one(train_dir, run4):
     assert a["step"] == b["step"] == 8
     assert not same_weights(a["train_model"], ckpt_of(run4)["model"])  # it trained
     assert same_run(a, b)
+
+
+def training_run(folder, out, *flags):
+    """train_small's run of run_argv's flags, set up, no step taken."""
+    args, given = train_small.parse_args(run_argv(folder, out, *flags))
+    return train_small.setup(args, given)
+
+
+@on_devices
+def test_a_training_step_reads_nothing_from_the_device(train_dir, device):
+    """The loop reads each step's loss (and the signals) once; the step itself reads nothing,
+    so a GPU never waits for the host. AdamW fused, as train_small makes it on a GPU."""
+    run = training_run(train_dir, f"reads-{device}", "--device", device)
+    run.opt = torch.optim.AdamW(run.model.parameters(), fused=True)
+    train_small.train_step(run, 0)  # first uses: the caching allocators fill
+    with host_reads(device) as reads:
+        train_small.train_step(run, 1)
+    assert reads == []
+
+
+@on_devices
+def test_a_compiled_training_step_compiles_once(train_dir, device, monkeypatch):
+    """A backend that counts the graphs dynamo gives it: the first step's, then none."""
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting))
+    torch._dynamo.reset()
+    run = training_run(train_dir, f"compiled-once-{device}", "--device", device, "--compile")
+    train_small.train_step(run, 0)
+    first = len(graphs)
+    for step in (1, 2, 3):
+        train_small.train_step(run, step)
+    assert first > 0
+    assert len(graphs) == first
 
 
 def test_compile_compiles_the_loss_and_keeps_the_weights(train_dir, run4, monkeypatch):
@@ -2849,6 +3026,37 @@ def test_torchrun_two_processes_match_one(tmp_path):
     w2 = ckpt_of(tmp_path / "two")["train_model"]
     close = [torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1]
     assert all(close)
+
+
+FAILING_RANK = """
+import sys
+import train_small
+step = train_small.train_step
+def failing(run, n):  # rank 1 alone fails at step 2, as one GPU out of memory would
+    if run.rank == 1 and n == 2:
+        raise ValueError("rank 1 has failed")
+    return step(run, n)
+train_small.train_step = failing
+sys.exit(train_small.main())
+"""
+
+
+def test_torchrun_stops_every_process_when_one_fails(tmp_path):
+    """No process waits for the failed one: the run ends at once (a hang would time out), the
+    failed process says why, the other one line, no traceback."""
+    write_corpus(tmp_path / "corpus.txt")
+    (tmp_path / "failing.py").write_text(FAILING_RANK)
+    argv = run_argv(tmp_path, "two", "--global-batch", "8", "--max-steps", "6")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    start = time.perf_counter()
+    out = python(*torchrun, str(tmp_path / "failing.py"), *argv, env=env, timeout=120)
+    assert time.perf_counter() - start < 60
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if "error: " in line]
+    assert errors[0].endswith("error: rank 1: rank 1 has failed")
+    assert errors[1].startswith("error: another process stopped, so this one did")
+    assert "[rank0]: Traceback" not in out.stderr
 
 
 # ---- experiments/train_bench.py ------------------------------------------------------------

@@ -665,7 +665,9 @@ def setup(args, given) -> Run:
     model, ema, opt = build_model(args, cfg, device, source, ckpt)
     net = TrainStep(model)  # DDP and compile wrap this, not the model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(net, [device] if cuda else None)
+        # no buffer broadcast each forward: the rotary tables are the only buffers, constant
+        ddp = torch.nn.parallel.DistributedDataParallel
+        net = ddp(net, [device] if cuda else None, forward_sync_buffers=False)
     if args.compile:
         net = torch.compile(net)
     if rank == 0:
@@ -732,8 +734,9 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     orders = orders.reshape(run.accum, run.world, run.micro, -1)[:, run.rank]  # (A, B, L)
     total = 0.0  # this process's share of the step's loss, summed on the device
     for a in range(run.accum):
-        x = torch.from_numpy(run.rows["train"][ids[a]].astype(np.int64)).to(run.device)  # (B, L)
-        order = orders[a].to(run.device)
+        x = torch.from_numpy(run.rows["train"][ids[a]].astype(np.int64))  # (B, L)
+        x = setdiff.upload(x, run.device)  # no wait for the GPU: it keeps its queue
+        order = setdiff.upload(orders[a], run.device)
         # DDP all-reduces the gradients in every backward unless told not to: once is enough
         sync = run.world == 1 or a == run.accum - 1
         with contextlib.nullcontext() if sync else run.net.no_sync():
@@ -748,8 +751,9 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     if run.ema is not run.model:  # --ema 0: the raw weights are evaluated
         # NOTE: the decay ramps up as (1+t)/(10+t), so a short run's EMA is not its init
         decay = min(args.ema, (1 + step) / (10 + step))
-        for e, p in zip(run.ema.parameters(), run.model.parameters()):
-            e.lerp_(p.detach(), 1 - decay)
+        ema = list(run.ema.parameters())
+        weights = [p.detach() for p in run.model.parameters()]
+        torch._foreach_lerp_(ema, weights, 1 - decay)  # one kernel for all, not one a tensor
     return total
 
 
@@ -893,9 +897,18 @@ def main(argv=None) -> int:
     except SystemExit as e:  # the parser printed its one line (or --help)
         return e.code
     except (ValueError, OSError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}".replace("\n", " "), file=sys.stderr, flush=True)
+        # every process says why it stopped: an error of one process alone (its GPU, its
+        # data) would otherwise be lost; torchrun then stops the others
+        rank = int(os.environ.get("RANK", 0))
+        who = f"rank {rank}: " if rank else ""
+        print(f"error: {who}{e}".replace("\n", " "), file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:  # a collective whose peer stopped: the peer printed why
+        if not dist.is_initialized() or "peer" not in str(e):
+            raise
+        why = setdiff.one_line(e)
+        print(f"error: another process stopped, so this one did ({why})", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # outside the training steps: the data work or the sample
         print("\ninterrupted (outside the training steps: nothing new to save)", file=sys.stderr)
         return 130
