@@ -974,16 +974,22 @@ def content_digest(value, h=None):
 
 
 def write_checkpoint(path, ckpt: dict):
-    """The dict with its format and digest, to a temporary file renamed to `path` (atomic)."""
+    """The dict with its format and digest, written by write_file."""
     body = {k: v for k, v in ckpt.items() if k != "digest"}  # a loaded dict carries one
     body["format"] = CHECKPOINT_FORMAT
     ckpt = body | {"digest": content_digest(body).hexdigest()}
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)
+    write_file(path, buffer.getbuffer())
+
+
+def write_file(path, data):
+    """`data` (bytes) to a temporary file renamed to `path` (atomic): a reader never sees half a
+    file, and a failed write leaves the old one as it was."""
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
         os.replace(tmp, path)
     except OSError as e:
         why = e.strerror
