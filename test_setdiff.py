@@ -3399,6 +3399,19 @@ def test_a_released_folder_samples_words(letters_folder, capsys):
     assert re.fullmatch(r"the cat( \S+){3}", texts_of(out)[0])
 
 
+def test_export_writes_a_folder_that_samples_as_its_checkpoint(tmp_path, capsys):
+    ckpt = tmp_path / "wp.pt"
+    setdiff.save_checkpoint(ckpt, export_model(), WORDPIECE, step=3)
+    out = sample_ok(capsys, "--ckpt", ckpt, "--export", tmp_path / "dir")
+    files = "vocab.txt, model.safetensors, pytorch_model.bin, config.json"
+    assert out == f"exported {ckpt} to {tmp_path / 'dir'} as a released SetDLM folder: {files}\n"
+    args = ("--prompt", "the cat", "--max-new-tokens", 3, "--num-samples", 2)
+    from_dir = sample_ok(capsys, "--ckpt", tmp_path / "dir", *args)
+    assert "(released model)" in from_dir
+    from_ckpt = sample_ok(capsys, "--ckpt", ckpt, *args)
+    assert texts_of(from_dir) == texts_of(from_ckpt)
+
+
 VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
 
 
@@ -3488,6 +3501,9 @@ def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys
         "val-rows-gone": ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"),
         "num-samples": ("{st} --num-samples 0", "must be at least 1"),
         "unknown-flag": ("{st} --no-such-flag", "unrecognized"),
+        "export-bytes": ("{st} --export {d}/exported", "cannot export the bytes tokenizer"),
+        "export-into-a-full-folder": ("{st} --export {d}", "exists and is not an empty folder"),
+        "export-and-eval": ("{st} --export {d}/exported --eval", "not allowed"),
     },
 )
 def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
