@@ -1336,7 +1336,7 @@ def released_state(model: SetDiffusionLM) -> dict:
 
 def safetensors_bytes(tensors: dict) -> bytes:
     """The layout released_weights reads: the header size (8 bytes, little-endian), a JSON header
-    padded with spaces to a multiple of 8 (with {"format": "pt"}, as torch's writers put it),
+    padded with spaces to a multiple of 8 (with {"format": "pt"}, as transformers writes it),
     then the tensors' raw bytes in header order."""
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
     header = {"__metadata__": {"format": "pt"}}

@@ -1596,6 +1596,10 @@ def exported(tmp_path):
     return model, folder, setdiff.save_released(model, WORDPIECE, folder)
 
 
+def config_of(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
 def vocab_rows(L=24):
     x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
     x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
@@ -1622,7 +1626,8 @@ def test_an_export_loads_back_with_its_config_and_vocab(exported):
     loaded, tok, _ = load_checkpoint(folder)
     cfg = loaded.cfg
     assert (cfg.seq_len, cfg.set_size, cfg.max_set_size) == (24, 3, 6)
-    assert (cfg.vocab_size, cfg.mask_id, cfg.bos_id, cfg.eos_id, cfg.pad_id) == (24, 4, 2, 2, 0)
+    ids = (cfg.vocab_size, cfg.mask_id, cfg.bos_id, cfg.eos_id, cfg.pad_id)
+    assert ids == (24, 4, 2, 2, 0)  # [MASK], [CLS] twice, [PAD]
     assert cfg == model.cfg
     assert tok.pieces == VOCAB
 
@@ -1675,7 +1680,7 @@ def test_the_exported_safetensors_hold_the_bins_tensors(exported):
 def test_an_exported_config_json_is_the_authors(exported):
     """authors_config with the model's d, s = 6, dropout and [CLS] as BOS and EOS; no auto_map
     (it names code files that the export does not write)."""
-    spec = json.loads((exported[1] / "config.json").read_text())
+    spec = config_of(exported[1])
     want = authors_config(len(VOCAB), 24, 32, 2, 2, 3, 4, dropout=0.0)
     del want["auto_map"]
     want["noise_config"]["max_block_size"] = 6
@@ -1689,13 +1694,13 @@ def test_an_exported_config_json_is_the_authors(exported):
     "d,s,written",
     {
         "s-below-L": (3, 6, 6),
-        "s-is-L-with-2d-over-L": (13, 24, 24),  # read back as min(2d, L) = L
+        "s-is-L-with-2d-equal-L": (12, 24, 24),  # read back as min(2d, L) = L
     },
 )
 def test_an_export_writes_max_block_size_as_s_and_reads_it_back(tmp_path, d, s, written):
     model = export_model(set_size=d, max_set_size=s)
     setdiff.save_released(model, WORDPIECE, tmp_path / "out")
-    spec = json.loads((tmp_path / "out" / "config.json").read_text())
+    spec = config_of(tmp_path / "out")
     assert spec["noise_config"]["max_block_size"] == written
     assert load_checkpoint(tmp_path / "out")[0].cfg.max_set_size == s
 
@@ -1714,7 +1719,7 @@ def test_a_gpt2_export_writes_vocab_json_without_mask_and_merges_txt(bpe, tmp_pa
     vocab = json.loads((tmp_path / "owt" / "vocab.json").read_text())
     assert vocab == {piece: i for i, piece in enumerate(TINY_BPE + ["<|endoftext|>"])}
     assert (tmp_path / "owt" / "merges.txt").read_text() == TINY_MERGES
-    spec = json.loads((tmp_path / "owt" / "config.json").read_text())
+    spec = config_of(tmp_path / "owt")
     assert (spec["tokenizer_name"], spec["pad_token_id"]) == ("gpt2", 18)
 
 
