@@ -6,6 +6,7 @@
     python sample.py --ckpt out/ckpt.pt --eval valid.txt --num-orders 4    # likelihood bound
     python sample.py --ckpt out/ckpt.pt --eval                             # its validation rows
     python sample.py --ckpt lm1b-setdlm-smax16/ --prompt "the"             # a released model
+    python sample.py --ckpt out/ckpt.pt --export my-setdlm/                # as released models
 
 Comparisons, benches, order statistics and plots are in experiments/.
 """
@@ -58,6 +59,8 @@ def build_parser() -> Parser:
     mode.add_argument("--infill", help="holes: [MASK] one position, ___N N, ___ --span-len")
     files = "text files: a sentence a line (GPT-2: <|endoftext|> lines end texts; none: val rows)"
     mode.add_argument("--eval", nargs="*", help=files)
+    export = "write the model as a released SetDLM folder DIR (new or empty); no sampling"
+    mode.add_argument("--export", metavar="DIR", help=export)
     p.add_argument("--num-samples", type=at_least(1), default=1, help="samples to draw (1)")
     p.add_argument("--batch-size", type=at_least(1), help="rows a call (min(N, 16); --eval: 32)")
     p.add_argument("--max-new-tokens", type=at_least(1), help="tokens to write (all: L - P)")
@@ -274,10 +277,24 @@ def evaluate(args, model, tok: Tokenizer, ckpt: dict):
     print(f"val {res.line(num_bytes)}; ppl is an upper bound on the true perplexity")
 
 
+# ---- Export: the authors' released format -----------------------------------------------------
+def export(args):
+    """--export: the model, read on the CPU, written as the authors' released SetDLM folders are
+    (setdiff.save_released refuses what that format cannot express)."""
+    model, tok, _ = setdiff.load_checkpoint(args.ckpt)
+    names = setdiff.save_released(model, tok, args.export)
+    written = ", ".join(names)
+    print(f"exported {args.ckpt} to {args.export} as a released SetDLM folder: {written}")
+
+
 # ---- Main: a user error is one line on stderr and exit code 2 ---------------------------------
 def sample_or_score(args):
-    """Load the model named by --ckpt, then sample from it or, with --eval, score text."""
+    """Load the model named by --ckpt, then sample from it or, with --eval, score text (with
+    --export, write it in the authors' released format instead)."""
     require(args.ckpt, "give --ckpt PATH: a checkpoint of train_small.py or a released model")
+    if args.export is not None:
+        export(args)
+        return
     device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
     print(how)
     model, tok, ckpt = load(args.ckpt, device)

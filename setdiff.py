@@ -280,13 +280,17 @@ def no_empty_rows(mask):
 # LayerNorm biases, rotary embeddings looked up by position id, a tanh-GELU MLP of width 4D,
 # dropout on the residual branches only, an untied output head with a bias.
 # It knows nothing about diffusion: set-causality lives entirely in the mask it is given.
+def rotary_frequencies(head_dim):
+    """1 / 10000^(2i/hd) for i < hd/2 in float32: the authors' rotary_emb.inv_freq."""
+    pair = torch.arange(0, head_dim, 2, dtype=torch.float32)
+    return 1.0 / (10000 ** (pair / head_dim))
+
+
 def rotary_table(length, head_dim):
     """cos, sin (length, hd/2) of the rotary angles pos / 10000^(2i/hd), built in float32 as
     the authors' network builds it: a float64 table moves log-probs by up to 8e-5 at L=1024."""
-    pair = torch.arange(0, head_dim, 2, dtype=torch.float32)
-    inv_freq = 1.0 / (10000 ** (pair / head_dim))
     pos = torch.arange(length, dtype=torch.float32)
-    angle = pos[:, None] * inv_freq  # (L, hd/2)
+    angle = pos[:, None] * rotary_frequencies(head_dim)  # (L, hd/2)
     return angle.cos(), angle.sin()
 
 
@@ -997,16 +1001,22 @@ def content_digest(value, h=None):
 
 
 def write_checkpoint(path, ckpt: dict):
-    """The dict with its format and digest, to a temporary file renamed to `path` (atomic)."""
+    """The dict with its format and digest, written by write_file."""
     body = {k: v for k, v in ckpt.items() if k != "digest"}  # a loaded dict carries one
     body["format"] = CHECKPOINT_FORMAT
     ckpt = body | {"digest": content_digest(body).hexdigest()}
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)
+    write_file(path, buffer.getbuffer())
+
+
+def write_file(path, data):
+    """`data` (bytes) to a temporary file renamed to `path` (atomic): a reader never sees half a
+    file, and a failed write leaves the old one as it was."""
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
         os.replace(tmp, path)
     except OSError as e:
         why = e.strerror
@@ -1228,6 +1238,161 @@ def released_weights(folder) -> dict:
         tensor = torch.frombuffer(raw, dtype=dtype)
         weights[name] = tensor.reshape(info["shape"])
     return weights
+
+
+# Export: a model trained here as the authors' released SetDLM folders (what load_released reads),
+# for their evaluation tools or for publishing beside their models.
+RELEASED_LAYOUT = re.compile(  # the authors' weight names (a DiT without timestep modulation)
+    r"backbone\.(vocab_embed\.embedding|output_layer\.(norm_final\.weight|linear\.(weight|bias))"
+    r"|blocks\.\d+\.(norm[12]\.weight|attn_(qkv|out)\.weight|mlp\.[02]\.(weight|bias)))"
+)
+RELEASED_TOKENIZERS = {"wordpiece": "bert-base-uncased", "bpe": "gpt2"}  # their tokenizer_name
+SPECIAL_IDS = ("vocab_size", "mask_id", "bos_id", "eos_id", "pad_id")  # Config's and Tokenizer's
+
+
+def save_released(model: SetDiffusionLM, tokenizer: Tokenizer, folder) -> list:
+    """The model as a released SetDLM folder, in a new or empty `folder`: config.json, the
+    weights under the authors' names (model.safetensors and pytorch_model.bin) and the
+    tokenizer's files, each written by write_file. What that format cannot express is refused.
+    -> the names of the files written."""
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    cfg = model.cfg
+    if os.path.exists(folder):
+        empty = os.path.isdir(folder) and not os.listdir(folder)
+        require(empty, f"{folder} exists and is not an empty folder: export to a new one")
+    why = "the authors' SetDLM is staggered only (their AR, BD3-LM and MDLM are other models)"
+    require(cfg.order == "staggered", f"cannot export order {cfg.order!r}: {why}")
+    L = cfg.seq_len
+    d = cfg.set_size
+    # NOTE: config.json gets max_block_size = s, but the authors' loader (and released_config)
+    # reads max_block_size = L as min(2d, L), so s = L is expressible only where 2d >= L.
+    trap = f"the authors' loader reads max_block_size = L as s = min(2d, L) = {2 * d}"
+    require(cfg.max_set_size < L or 2 * d >= L, f"cannot export s = L = {L} with d = {d}: {trap}")
+    fits = all(getattr(cfg, k) == getattr(tokenizer, k) for k in SPECIAL_IDS)
+    ids = "cannot export: the model's vocab size or special ids are not its tokenizer's"
+    require(fits, f"{ids} (a released folder takes them from its tokenizer files)")
+    require_finite(model, "the model")
+    files = released_tokenizer_files(tokenizer)
+    state = released_state(model)
+    files["model.safetensors"] = safetensors_bytes(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    files["pytorch_model.bin"] = buffer.getvalue()
+    spec = released_spec(cfg, tokenizer.kind)
+    files["config.json"] = json.dumps(spec, indent=2).encode()  # last: a folder with it is whole
+    os.makedirs(folder, exist_ok=True)
+    for name, data in files.items():
+        write_file(os.path.join(folder, name), data)
+    return list(files)
+
+
+def released_spec(cfg: Config, kind: str) -> dict:
+    """config.json as the authors' BD3LMConfig writes it for a SetDLM on their DiT (sdpa)."""
+    L = cfg.seq_len
+    net = {
+        "_target_": "backbone_dit.DIT",
+        "length": L,
+        "causal_attention": False,
+        "adaln": False,
+        "hidden_size": cfg.d_model,
+        "cond_dim": 128,
+        "n_heads": cfg.n_head,
+        "num_layers": cfg.n_layer,
+        "dropout": cfg.dropout,
+        "tie_word_embeddings": True,  # NOTE: their flag; nothing is tied in their DiT either
+        "attn_backend": "sdpa",
+        "vocab_size": cfg.vocab_size,
+        "block_size": L,
+        "pretrained_model_name_or_path": None,
+    }
+    noise = {
+        "_target_": "noise_schedule_noise_schedules.StaggeredNoise",
+        "eps": 0.001,
+        "block_size": L,
+        "desired_block_size": cfg.set_size,
+        "max_block_size": cfg.max_set_size,
+        "length": L,
+    }
+    # NOTE: without PAD (GPT-2), PAD is written as EOS, as in the authors' OWT config.json;
+    # setdiff takes PAD from the tokenizer files, so it reads back as none.
+    pad = cfg.eos_id if cfg.pad_id is None else cfg.pad_id
+    ids = {"vocab_size": cfg.vocab_size, "mask_token_id": cfg.mask_id, "pad_token_id": pad}
+    ends = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_vocab_size_multiple": 1}
+    # no auto_map: it names code files that the authors' upload adds and their loader ignores
+    return {
+        "architectures": ["SetDLM"],
+        "model_type": "bd3lm",
+        "attn_backend": "sdpa",
+        "backbone_config": net,
+        "noise_config": noise,
+        "length": L,
+        "block_size": L,
+        "eval_block_size": L,
+        "keep_clean_bos": True,  # position 0 comes first and is not scored, as in setdiff
+        "tokenization_config": ids | ends,
+        "tokenizer_name": RELEASED_TOKENIZERS[kind],  # the files in the folder are what count
+        **ids,
+        "pad_vocab_size_multiple": 1,
+        "torch_dtype": "float32",
+        "transformers_version": "4.52.4",
+    }
+
+
+def released_state(model: SetDiffusionLM) -> dict:
+    """The float32 weights under the authors' names (RELEASED_NAMES backwards, "backbone."
+    first), with the two buffers their files carry and load_released ignores."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = "backbone." + name  # RELEASED_NAMES's dots match after the prefix
+        for theirs, ours in RELEASED_NAMES.items():
+            key = key.replace(ours, theirs)
+        # setdiff's LayerNorms have no bias, as theirs: a weight outside their names is refused
+        unnamed = f"cannot export weight {name}: the authors' layout has no name for it"
+        require(RELEASED_LAYOUT.fullmatch(key), unnamed)
+        state[key] = tensor.detach().cpu().float().contiguous()
+    cfg = model.cfg
+    head_dim = cfg.d_model // cfg.n_head
+    state["backbone.rotary_emb.inv_freq"] = rotary_frequencies(head_dim)
+    state["static_attention_mask"] = set_causal_mask(cfg.seq_len)  # their sdpa mask, (2L, 2L)
+    return state
+
+
+def safetensors_bytes(tensors: dict) -> bytes:
+    """The layout released_weights reads: the header size (8 bytes, little-endian), a JSON header
+    padded with spaces to a multiple of 8 (with {"format": "pt"}, as transformers writes it),
+    then the tensors' raw bytes in header order."""
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
+    for name, tensor in tensors.items():
+        blob = tensor.numpy().tobytes()  # in C order
+        end = offset + len(blob)
+        header[name] = {
+            "dtype": dtype_names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        blobs.append(blob)
+        offset = end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def released_tokenizer_files(tok: Tokenizer) -> dict:
+    """{name: bytes} of the files load_released reads: vocab.txt (BERT WordPiece, a piece a
+    line) or vocab.json + merges.txt (GPT-2 BPE, without the appended MASK, as theirs)."""
+    files = "a released folder holds BERT WordPiece or GPT-2 BPE tokenizer files only"
+    require(tok.kind != "bytes", f"cannot export the bytes tokenizer: {files}")
+    if tok.kind == "wordpiece":
+        lines = "\n".join(tok.pieces) + "\n"
+        return {"vocab.txt": lines.encode()}
+    vocab = {piece: i for i, piece in enumerate(tok.pieces)}
+    rules = ["#version: 0.2", *map(" ".join, tok.merges)]
+    merges = "\n".join(rules) + "\n"
+    vocab_json = json.dumps(vocab, ensure_ascii=False)
+    return {"vocab.json": vocab_json.encode(), "merges.txt": merges.encode()}
 
 
 # ---- Running: device, dtype, threads ----------------------------------------------------

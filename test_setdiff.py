@@ -1692,6 +1692,206 @@ def test_load_refuses_a_folder_without_config_json(tmp_path):
         load_checkpoint(tmp_path)
 
 
+# Export: a model trained here written as a released folder (save_released), then read back by
+# load_checkpoint, by hand (the safetensors layout) and by the authors' forward above.
+WORDPIECE = Tokenizer("wordpiece", VOCAB)
+
+
+def export_model(**kw):
+    """A tiny_model over VOCAB (L = 24, D = 32, 2 heads, 2 layers, d = 3, s = 6) whose special
+    ids are WORDPIECE's: [MASK] 4, [CLS] BOS and EOS, [PAD] 0."""
+    specials = dict(vocab_size=len(VOCAB), mask_id=4, bos_id=2, eos_id=2, pad_id=0)
+    model = tiny_model(**(specials | kw))
+    with torch.no_grad():
+        for w in model.parameters():  # every weight its own: LayerNorm's off 1, biases off 0
+            w.add_(torch.randn_like(w) * 0.3)
+    return model
+
+
+@pytest.fixture
+def exported(tmp_path):
+    """export_model() saved into an existing empty folder -> (model, folder, files written)."""
+    folder = tmp_path / "export"
+    folder.mkdir()  # an empty folder is taken
+    model = export_model()
+    return model, folder, setdiff.save_released(model, WORDPIECE, folder)
+
+
+def config_of(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+def vocab_rows(L=24):
+    x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
+    x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
+    return x
+
+
+def test_an_export_writes_the_released_files(exported):
+    names = ["config.json", "model.safetensors", "pytorch_model.bin", "vocab.txt"]
+    assert sorted(exported[2]) == names
+    assert sorted(os.listdir(exported[1])) == names  # no temporary file left
+
+
+def test_an_export_loads_back_with_identical_logits(exported):
+    model, folder, _ = exported
+    loaded = load_checkpoint(folder)[0]
+    x = vocab_rows()
+    order = sample_order(model.cfg, 3, gen(1))
+    want = setdiff.position_logits(model, x, order)
+    assert torch.equal(setdiff.position_logits(loaded, x, order), want)
+
+
+def test_an_export_loads_back_with_its_config_and_vocab(exported):
+    model, folder, _ = exported
+    loaded, tok, _ = load_checkpoint(folder)
+    cfg = loaded.cfg
+    assert (cfg.seq_len, cfg.set_size, cfg.max_set_size) == (24, 3, 6)
+    ids = (cfg.vocab_size, cfg.mask_id, cfg.bos_id, cfg.eos_id, cfg.pad_id)
+    assert ids == (24, 4, 2, 2, 0)  # [MASK], [CLS] twice, [PAD]
+    assert cfg == model.cfg
+    assert tok.pieces == VOCAB
+
+
+def test_exported_weights_give_the_authors_forward_setdiffs_nll(exported):
+    """The authors' names, read by their forward (not by setdiff's loader): the same NLL."""
+    model, folder, _ = exported
+    sd = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    x = vocab_rows()
+    order = sample_order(model.cfg, 3, gen(1))
+    want = position_nll(model, x, order).float().gather(1, order)  # decode order
+    assert torch.allclose(authors_nll(sd, 2, x, order, 4), want, atol=2e-5)
+
+
+def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
+    sd = torch.load(exported[1] / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(sd["backbone.rotary_emb.inv_freq"], authors_inv_freq(16))
+    assert torch.equal(sd["static_attention_mask"], authors_mask(24) == 0)
+
+
+def read_safetensors(path):
+    """A safetensors file by hand -> ({name: tensor}, header size, metadata, unclaimed bytes)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    body = data[8 + n :]
+    dtypes = {"F32": "<f4", "BOOL": "?"}
+    tensors = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        array = np.frombuffer(body[start:end], dtype=dtypes[info["dtype"]])
+        tensors[name] = torch.from_numpy(array.copy()).reshape(info["shape"])
+    ends = max(info["data_offsets"][1] for info in header.values())
+    return tensors, n, meta, len(body) - ends
+
+
+def test_the_exported_safetensors_hold_the_bins_tensors(exported):
+    folder = exported[1]
+    tensors, n, meta, unclaimed = read_safetensors(folder / "model.safetensors")
+    sd = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    assert n % 8 == 0
+    assert (meta, unclaimed) == ({"format": "pt"}, 0)
+    assert tensors.keys() == sd.keys()
+    for name, tensor in sd.items():
+        assert tensors[name].dtype == tensor.dtype
+        assert torch.equal(tensors[name], tensor), name
+
+
+def test_an_exported_config_json_is_the_authors(exported):
+    """authors_config with the model's d, s = 6, dropout and [CLS] as BOS and EOS; no auto_map
+    (it names code files that the export does not write)."""
+    spec = config_of(exported[1])
+    want = authors_config(len(VOCAB), 24, 32, 2, 2, 3, 4, dropout=0.0)
+    del want["auto_map"]
+    want["noise_config"]["max_block_size"] = 6
+    ids = {"bos_token_id": 2, "eos_token_id": 2, "pad_vocab_size_multiple": 1}
+    want["tokenization_config"] |= ids
+    want |= {"tokenizer_name": "bert-base-uncased", "pad_vocab_size_multiple": 1}
+    assert spec == want
+
+
+@table(
+    "d,s,written",
+    {
+        "s-below-L": (3, 6, 6),
+        "s-is-L-with-2d-equal-L": (12, 24, 24),  # read back as min(2d, L) = L
+    },
+)
+def test_an_export_writes_max_block_size_as_s_and_reads_it_back(tmp_path, d, s, written):
+    model = export_model(set_size=d, max_set_size=s)
+    setdiff.save_released(model, WORDPIECE, tmp_path / "out")
+    spec = config_of(tmp_path / "out")
+    assert spec["noise_config"]["max_block_size"] == written
+    assert load_checkpoint(tmp_path / "out")[0].cfg.max_set_size == s
+
+
+def gpt2_export(bpe, folder):
+    """A tiny OWT-style model over the bpe fixture (no BOS, no PAD), exported -> the model."""
+    model = tiny_model(vocab_size=20, bos_id=None, pad_id=None, eos_id=18, mask_id=19)
+    setdiff.save_released(model, bpe, folder)
+    return model
+
+
+def test_a_gpt2_export_writes_vocab_json_without_mask_and_merges_txt(bpe, tmp_path):
+    """TINY_BPE's files as written (MASK appended on load, as the authors' OWT files); no PAD is
+    written as EOS, as in the authors' OWT config.json."""
+    gpt2_export(bpe, tmp_path / "owt")
+    vocab = json.loads((tmp_path / "owt" / "vocab.json").read_text())
+    assert vocab == {piece: i for i, piece in enumerate(TINY_BPE + ["<|endoftext|>"])}
+    assert (tmp_path / "owt" / "merges.txt").read_text() == TINY_MERGES
+    spec = config_of(tmp_path / "owt")
+    assert (spec["tokenizer_name"], spec["pad_token_id"]) == ("gpt2", 18)
+
+
+def test_a_gpt2_export_loads_back_with_its_tokenizer_and_config(bpe, tmp_path):
+    model = gpt2_export(bpe, tmp_path / "owt")
+    loaded, tok, _ = load_checkpoint(tmp_path / "owt")
+    assert tok.spec() == bpe.spec()
+    assert loaded.cfg == model.cfg
+
+
+BYTE_IDS = dict(vocab_size=260, mask_id=259, bos_id=257, eos_id=258, pad_id=256)
+
+
+@table(
+    "kw,tok,match",
+    {  # export_model's changes, the tokenizer, the refusal
+        "ar": (dict(order="ar"), WORDPIECE, "order 'ar': the authors' SetDLM is staggered only"),
+        "block": (dict(order="block"), WORDPIECE, "order 'block'"),
+        "uniform": (dict(order="uniform"), WORDPIECE, "order 'uniform'"),
+        "s-is-L-with-2d-below-L": (
+            dict(set_size=4, max_set_size=24),
+            WORDPIECE,
+            r"s = L = 24 with d = 4: .* as s = min\(2d, L\) = 8",
+        ),
+        "bytes-tokenizer": (BYTE_IDS, BYTES, "cannot export the bytes tokenizer"),
+        "ids-not-the-tokenizers": (dict(mask_id=3), WORDPIECE, "ids are not its tokenizer's"),
+    },
+)
+def test_export_refuses_what_the_format_cannot_express(tmp_path, kw, tok, match):
+    with pytest.raises(ValueError, match=match):
+        setdiff.save_released(export_model(**kw), tok, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_weight_the_authors_layout_has_no_name_for(tmp_path):
+    model = export_model()
+    model.ln_f = torch.nn.LayerNorm(32)  # with a bias, which the authors' DiT has not
+    with pytest.raises(ValueError, match="weight ln_f.bias: the authors' layout has no name"):
+        setdiff.save_released(model, WORDPIECE, tmp_path / "out")
+
+
+@table("name", {"non-empty-folder": "out/notes.txt", "a-file": "out"})
+def test_export_refuses_a_path_that_holds_something_and_keeps_it(tmp_path, name):
+    mine = tmp_path / name  # "out" itself for a file
+    mine.parent.mkdir(exist_ok=True)
+    mine.write_text("mine")
+    with pytest.raises(ValueError, match="out exists and is not an empty folder"):
+        setdiff.save_released(export_model(), WORDPIECE, tmp_path / "out")
+    assert mine.read_text() == "mine"
+
+
 # ---- text -> rows ---------------------------------------------------------------------------
 DOC = b"def f():\r\n    return 1\n\n<|endoftext|>\n\n  x = f()\n"
 
@@ -3412,6 +3612,19 @@ def test_a_released_folder_samples_words(letters_folder, capsys):
     assert re.fullmatch(r"the cat( \S+){3}", texts_of(out)[0])
 
 
+def test_export_writes_a_folder_that_samples_as_its_checkpoint(tmp_path, capsys):
+    ckpt = tmp_path / "wp.pt"
+    setdiff.save_checkpoint(ckpt, export_model(), WORDPIECE, step=3)
+    out = sample_ok(capsys, "--ckpt", ckpt, "--export", tmp_path / "dir")
+    files = "vocab.txt, model.safetensors, pytorch_model.bin, config.json"
+    assert out == f"exported {ckpt} to {tmp_path / 'dir'} as a released SetDLM folder: {files}\n"
+    args = ("--prompt", "the cat", "--max-new-tokens", 3, "--num-samples", 2)
+    from_dir = sample_ok(capsys, "--ckpt", tmp_path / "dir", *args)
+    assert "(released model)" in from_dir
+    from_ckpt = sample_ok(capsys, "--ckpt", ckpt, *args)
+    assert texts_of(from_dir) == texts_of(from_ckpt)
+
+
 VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
 
 
@@ -3501,6 +3714,9 @@ def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys
         "val-rows-gone": ("--ckpt {d}/gone.pt --eval", "pass --eval FILE"),
         "num-samples": ("{st} --num-samples 0", "must be at least 1"),
         "unknown-flag": ("{st} --no-such-flag", "unrecognized"),
+        "export-bytes": ("{st} --export {d}/exported", "cannot export the bytes tokenizer"),
+        "export-into-a-full-folder": ("{st} --export {d}", "exists and is not an empty folder"),
+        "export-and-eval": ("{st} --export {d}/exported --eval", "not allowed"),
     },
 )
 def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
