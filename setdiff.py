@@ -645,8 +645,9 @@ def commit_rule(conf, valid, threshold):
     """The most confident candidate plus all with confidence >= tau: never zero tokens in a
     row that has queries. (Keeping the confident tokens = re-masking the others.)"""
     conf = conf.masked_fill(~valid, -1.0)
-    best = conf.argmax(1)
-    top = F.one_hot(best, conf.shape[1]).bool()
+    best = conf.argmax(1, keepdim=True)  # (B, 1)
+    slot = torch.arange(conf.shape[1], device=conf.device)
+    top = slot == best  # not one_hot, which checks its input's range on the host
     return valid & ((conf >= threshold) | top)
 
 
