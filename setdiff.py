@@ -566,8 +566,9 @@ class Generation:
 
     @property
     def new_tokens(self):
-        """(B,) tokens each row revealed and kept (not those erased after a stopping EOS)."""
-        return (self.reveal_call >= 0).sum(1)
+        """(B,) tokens each row revealed and kept (not those erased after a stopping EOS), on the
+        CPU as row_calls."""
+        return (self.reveal_call >= 0).sum(1).cpu()
 
     @property
     def tokens_per_call(self):

@@ -1052,14 +1052,15 @@ def test_a_batched_row_generates_as_it_would_alone(row, device):
     assert alone.calls == batched.row_calls[row]
 
 
-def greedy_rows(threshold):
+def greedy_rows(threshold, device="cpu"):
     """Two greedy rows of 23 new tokens, window 3."""
-    model = tiny_model()
+    model = tiny_model().to(device)
     return generate(model, batch_size=2, window=3, threshold=threshold, temperature=0.0)
 
 
-def test_threshold_over_1_reveals_one_token_a_call():
-    one = greedy_rows(1.5)
+@on_devices
+def test_threshold_over_1_reveals_one_token_a_call(device):
+    one = greedy_rows(1.5, device)
     assert torch.equal(one.row_calls, one.new_tokens)
     assert one.calls == 23
     assert one.tokens_per_call == 1
@@ -1082,6 +1083,7 @@ def test_a_sampler_call_reads_the_device_once(decoding, device):
     """Whether every row is done (and no output NaN): the loop's one read. 6 more calls, 6
     more reads; the checks before the loop read a fixed number."""
     model = tiny_model().to(device)
+    generate(model, max_new_tokens=2)  # first uses: a GPU's libraries start, once
     reads = []
     for new in (5, 11):  # one token a call: 5 and 11 calls
         with host_reads(device) as read:
@@ -2735,7 +2737,7 @@ def deterministic(monkeypatch):
     """CUDA's deterministic kernels (its fastest ones may sum in any order), as a user who needs
     repeatable GPU runs turns them on; nothing changes on a CPU."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(False)
 
