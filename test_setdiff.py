@@ -4108,46 +4108,32 @@ def test_frontier_task_is_deterministic(tmp_path):
 
 def test_frontier_task_answers_are_right(tmp_path):
     frontier.write_task(tmp_path, train=300, test=8)
-    task = r"Q:(\d)((?:[+-]1){8}) A:((?:\d ){8})#(\d)"
+    mirror = "9876543210"  # r: the digit at the mirrored place
     for line in (tmp_path / "train.txt").read_text().splitlines():
-        m = re.fullmatch(task, line)
+        m = re.fullmatch(r"Q:(\d)([+r]{8}) A:(\d{8})", line)
         value = int(m[1])
-        values = []
-        for step in re.findall(r"[+-]\d", m[2]):  # evaluated with Python's own arithmetic
-            value = eval(f"({value} {step}) % 10")
-            values.append(str(value))
-        assert m[3].split() == values
-        assert m[4] == values[-1]
-
-
-@table(
-    "text,answer",
-    {
-        "answer": ("2 8 #5", "5"),
-        "empty": ("2 8 #", ""),
-        "none": ("2 8", ""),
-        "last": ("#1 #7 ", "7"),
-    },
-)
-def test_frontier_final_answer(text, answer):
-    assert frontier.final_answer(text) == answer
+        values = ""
+        for step in m[2]:
+            value = (value + 1) % 10 if step == "+" else int(mirror[value])
+            values += str(value)
+        assert m[3] == values
 
 
 @pytest.fixture(scope="module")
 def frontier_run(tmp_path_factory):
-    """frontier() on an AR and a staggered tiny model -> (its rows, the test pairs, paths)."""
+    """evaluate() on an AR and a staggered tiny model -> (its results, the test pairs, paths)."""
     d = tmp_path_factory.mktemp("frontier")
     frontier.write_task(d, train=300, test=8)
     pairs = frontier.read_test(d / "test.txt")
     paths = [d / "ar.pt", d / "st.pt"]
     for path, order in zip(paths, ("ar", "staggered")):
-        model = tiny_model(order=order, seq_len=96, n_layer=1, set_size=4)
+        model = tiny_model(order=order, seq_len=64, n_layer=1, set_size=4)
         setdiff.save_checkpoint(path, model, BYTES)
-    return frontier.frontier(paths, pairs, "cpu"), pairs, paths
+    return frontier.evaluate(paths, pairs, "cpu"), pairs, paths
 
 
 def test_frontier_rows_are_each_model_window_and_threshold(frontier_run):
-    rows, _, _ = frontier_run
+    rows = frontier_run[0]["frontier"]
     taus = [None, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
     want = [("plain causal decoder", 1, None), ("ar", 1, None)]
     want += [("staggered d=4, s=8", w, t) for w in (4, 8) for t in taus]
@@ -4160,7 +4146,7 @@ def test_frontier_rows_are_each_model_window_and_threshold(frontier_run):
 def decoded_here(frontier_run):
     """The staggered model's answers at w=8, tau=0.3, decoded here -> (frontier's row for
     them, the Generation, which answers are right)."""
-    rows, pairs, paths = frontier_run
+    res, pairs, paths = frontier_run
     shots = pairs[-1:] + pairs[:-1]  # each problem after another one, solved
     prompt = []
     for (s, a), (q, _) in zip(shots, pairs):
@@ -4168,18 +4154,16 @@ def decoded_here(frontier_run):
         prompt.append([BOS, *shot, *BYTES.encode(q)])
     prompt = torch.tensor(prompt)
     model = load_checkpoint(paths[1])[0]
-    sampler = dict(max_new_tokens=18, temperature=0, window=8, threshold=0.3)
+    sampler = dict(max_new_tokens=8, temperature=0, window=8, threshold=0.3)
     out = generate(model, prompt=prompt, **sampler)
     new = out.tokens[:, prompt.shape[1] :]
-    texts = [BYTES.decode(row) for row in new]
-    finals = [frontier.final_answer(text) for text in texts]  # test_frontier_final_answer
-    right = [final == a[-1] for final, (_, a) in zip(finals, pairs)]
-    row = rows[2 + 8 + 4]  # staggered, w=8, tau=0.3
+    right = [BYTES.decode(row) == a for row, (_, a) in zip(new, pairs)]
+    row = res["frontier"][2 + 8 + 4]  # staggered, w=8, tau=0.3
     assert (row["window"], row["threshold"]) == (8, 0.3)
     return row, out, right
 
 
-def test_frontier_accuracy_is_the_share_of_right_final_answers(decoded_here):
+def test_frontier_accuracy_is_the_share_of_right_answers(decoded_here):
     row, _, right = decoded_here
     assert row["accuracy"] == 100 * sum(right) / 8
 
@@ -4187,6 +4171,37 @@ def test_frontier_accuracy_is_the_share_of_right_final_answers(decoded_here):
 def test_frontier_tokens_per_call_are_the_samplers(decoded_here):
     row, out, _ = decoded_here
     assert row["tokens_per_call"] == out.tokens_per_call
+
+
+def test_frontier_infill_hides_the_middle_four_steps(frontier_run):
+    pairs = frontier_run[1]
+    ids, hidden = frontier.infill_rows(BYTES, pairs)
+    for row, holes, (question, answer) in zip(ids, hidden, pairs):
+        assert BYTES.decode(row[holes]) == question[5:9]  # "Q:" x, then steps 3-6 of 8
+        assert BYTES.decode(row[-8:]) == answer  # the answer given
+
+
+@table(
+    "fill,right",
+    {
+        "the-steps": ("rrrr", True),
+        "from-4-both-steps-give-5": ("+rrr", True),  # 4 + = 5 and 4 r = 5
+        "a-wrong-step": ("r+rr", False),
+        "not-a-step": ("rrrx", False),
+        "too-short": ("rrr", False),
+    },
+)
+def test_frontier_a_fill_is_right_when_its_steps_walk_to_the_answer(fill, right):
+    pairs = [("Q:6r+rrrrrr A:", "34545454")]  # 6 r 3 + 4 r 5 r 4 r 5 r 4 r 5 r 4
+    assert frontier.right_fills(pairs, [fill]) == [right]
+
+
+def test_frontier_infill_rows_are_each_model_and_penalty(frontier_run):
+    rows = frontier_run[0]["infill"]
+    got = [(r["model"], r["window"], r["repetition_penalty"]) for r in rows]
+    ar = [("ar", 1, p) for p in (1.0, 1.2)]
+    assert got == ar + [("staggered d=4, s=8", 8, p) for p in (1.0, 1.2)]
+    assert all(0 <= r["exact_steps"] <= r["accuracy"] <= 100 for r in rows)
 
 
 def test_plot_draws_the_frontier_of_a_json(frontier_run, tmp_path):

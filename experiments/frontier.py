@@ -1,13 +1,19 @@
-"""The quality/speed frontier on a task with an exact answer. The task: a walk of +1 and -1 steps
-mod 10 whose running values are written out before the answer, the way GSM8K solutions write
-their intermediate results ("Q:6+1-1+1 A:7 6 7 #7"): each value is the one before, plus one step.
-`--write DIR` writes DIR/train.txt and DIR/test.txt, one problem a line, for train_small.py
---data. Given checkpoints, prompt each test question, decode its answer with the set sampler
-(greedy; thresholds > 1 down to 0.05; windows d and the largest) and report exact-match accuracy,
-tokens per call and tokens/s, beside a plain causal decoder of the same network as AR's speed.
+"""Accuracy against speed, and infilling, on a task with an exact answer. The task: a walk on the
+digits 0-9 whose steps are "+" (add one, mod 10) or "r" (reflect, x -> 9 - x), the answer every
+running value ("Q:6r+rrrrrr A:34545454": 6 r 3, 3 + 4, 4 r 5, ...). A value is one look-up from
+the value before and its step, so a causal model writes one value a call with ease; revealing
+several values in one call asks one forward pass to compose several steps, which do not commute,
+so no count of the steps gives the value. `--write DIR` writes DIR/train.txt and DIR/test.txt,
+one problem a line, for train_small.py --data. Given checkpoints: (1) every test question's
+answer decoded greedily by the set sampler (thresholds > 1 down to 0.05; windows d and the
+largest): exact-match accuracy, tokens per call and tokens/s, beside a plain causal decoder of
+the same network as AR's speed; (2) infilling: the middle 4 steps of every question hidden, the
+rest of the problem and the answer given, filled at the default infill window one token a call
+(AR continues the left side), with and without a repetition penalty of 1.2: a fill is right when
+its steps walk to the given answer.
 
-    python experiments/frontier.py --write data/chain
-    python experiments/frontier.py runs/chain-{ar,staggered-d4}/ckpt.pt --test data/chain/test.txt
+    python experiments/frontier.py --write data/walk
+    python experiments/frontier.py runs/walk-{ar,staggered-d4}/ckpt.pt --test data/walk/test.txt
 """
 
 import argparse
@@ -27,27 +33,31 @@ from compare import setup, shared_flags, write_json  # noqa: E402
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
 
-STEPS = 8  # operations a problem
+STEPS = 8  # steps a problem
+HIDDEN = range(5, 9)  # the characters of the question hidden for infilling: steps 3-6 of 8
 THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
+PENALTIES = (1.0, 1.2)  # infilling: none, and the authors' infill table's
+
+
+def walk(start, steps):
+    """The running values of a walk from the digit `start`, as one string of digits."""
+    x = start
+    values = ""
+    for step in steps:
+        x = (x + 1) % 10 if step == "+" else 9 - x
+        values += str(x)
+    return values
 
 
 def problem(rng):
-    """-> (question, answer), e.g. "Q:6+1-1+1+1-1-1+1+1 A:", "7 6 7 8 7 6 7 8 #8": a walk mod 10,
-    each running value written out before the next (6+1=7, 7-1=6, ...), then the final one.
-    NOTE: steps of +-1 only, because a 1,500-step model learns them: with steps of any digit a
-    result is independent of each input alone, and it learned nothing (flat at 1.17 nats/token);
-    with steps of 1-3 it reached 28% exact match (all measured)."""
+    """-> (question, answer), e.g. "Q:6r+rrrrrr A:", "34545454".
+    NOTE: "+" and "r" do not commute, so a value is not a count of the steps before it. With
+    "+1" and "-1" steps every model, whatever its order, revealed 3.6 tokens a call at 100%
+    (one count each); with "+d" steps of any digit an AR model learned nothing in 1,500 steps
+    (a value then tells nothing alone, without the step); both measured."""
     x = rng.randrange(10)
-    question = f"Q:{x}"
-    values = []
-    for _ in range(STEPS):
-        op = rng.choice("+-")
-        step = 1 if op == "+" else -1
-        x = (x + step) % 10
-        question += f"{op}1"
-        values.append(str(x))
-    answer = " ".join(values) + f" #{x}"
-    return question + " A:", answer
+    steps = "".join(rng.choice("+r") for _ in range(STEPS))
+    return f"Q:{x}{steps} A:", walk(x, steps)
 
 
 def write_task(folder, train=200_000, test=1000, seed=0):
@@ -57,13 +67,6 @@ def write_task(folder, train=200_000, test=1000, seed=0):
         rng = random.Random(stream)
         lines = ["".join(problem(rng)) + "\n" for _ in range(n)]
         Path(folder, name).write_text("".join(lines))
-
-
-def final_answer(text):
-    """What follows the last "#" of a decoded answer: the exact-match metric compares these."""
-    if "#" not in text:
-        return ""
-    return text.rsplit("#", 1)[-1].strip()
 
 
 def read_test(path):
@@ -100,7 +103,7 @@ def decode_answers(model, tok, pairs, sampler):
     else:
         out = setdiff.generate(model, prompt=prompt, max_new_tokens=A, temperature=0, **sampler)
     texts = [tok.decode(row[P:]) for row in out.tokens.cpu()]
-    hits = [final_answer(t) == final_answer(a) for t, (_, a) in zip(texts, pairs)]
+    hits = [text == answer for text, (_, answer) in zip(texts, pairs)]
     accuracy = 100 * sum(hits) / len(hits)
     if sampler == "plain":
         accuracy = None  # timing only
@@ -108,40 +111,110 @@ def decode_answers(model, tok, pairs, sampler):
     return dict(accuracy=accuracy, tokens_per_call=out.tokens_per_call, tokens_per_s=speed)
 
 
-def frontier(paths, pairs, device):
+def sweep(model, tok, pairs):
+    """decode_answers at every window (d and the largest) and threshold; the plain decoder's
+    speed beside an AR model."""
+    cfg = model.cfg
+    name = setdiff.policy_name(cfg)
     rows = []
-    for path in paths:
-        model, tok, _ = setdiff.load_checkpoint(path, device)
-        model.eval()
-        cfg = model.cfg
-        name = setdiff.policy_name(cfg)
-        print(f"model: {path}, {name}", flush=True)
-        if cfg.order == "ar":
-            row = dict(model="plain causal decoder", window=1, threshold=None)
-            row |= decode_answers(model, tok, pairs, "plain")
-            rows.append(row)
-        windows = {setdiff.default_window(cfg), setdiff.max_window(cfg)}
-        for window in sorted(windows):
-            thresholds = THRESHOLDS if window > 1 else THRESHOLDS[:1]
-            for tau in thresholds:
-                threshold = None if tau > 1 else tau
-                row = dict(model=name, window=window, threshold=threshold)
-                sampler = dict(window=window, threshold=tau)
-                row |= decode_answers(model, tok, pairs, sampler)
-                rows.append(row)
+    if cfg.order == "ar":
+        row = dict(model="plain causal decoder", window=1, threshold=None)
+        rows.append(row | decode_answers(model, tok, pairs, "plain"))
+    windows = {setdiff.default_window(cfg), setdiff.max_window(cfg)}
+    for window in sorted(windows):
+        thresholds = THRESHOLDS if window > 1 else THRESHOLDS[:1]
+        for tau in thresholds:
+            threshold = None if tau > 1 else tau
+            row = dict(model=name, window=window, threshold=threshold)
+            sampler = dict(window=window, threshold=tau)
+            rows.append(row | decode_answers(model, tok, pairs, sampler))
     return rows
 
 
-def print_table(rows, args):
+def infill_rows(tok, pairs):
+    """-> ids (n, T): the prompts of prompts() followed by their answers, and hidden (n, T):
+    the positions of the question's middle steps (HIDDEN)."""
+    prompt = prompts(tok, pairs)
+    answers = torch.tensor([tok.encode(answer) for _, answer in pairs])
+    ids = torch.cat([prompt, answers], 1)
+    question = prompt.shape[1] - len(pairs[0][0])  # where every question starts
+    hidden = torch.zeros_like(ids, dtype=torch.bool)
+    hidden[:, [question + i for i in HIDDEN]] = True
+    return ids, hidden
+
+
+def right_fills(pairs, fills):
+    """Which fills (strings of len(HIDDEN) characters) walk to the given answer: the question
+    with its hidden steps replaced, walked again."""
+    right = []
+    for (question, answer), fill in zip(pairs, fills):
+        text = question[: HIDDEN[0]] + fill + question[HIDDEN[-1] + 1 :]
+        steps = text[3 : 3 + STEPS]
+        legal = len(fill) == len(HIDDEN) and set(steps) <= set("+r")
+        right.append(legal and walk(int(text[2]), steps) == answer)
+    return right
+
+
+def infill(model, tok, pairs):
+    """A row per repetition penalty: the share of fills that walk to the answer (%), and of
+    fills equal to the hidden steps (%). Greedy, one token a call; a set model at the default
+    infill window with all the context cached first, AR from the left side alone (its training
+    orders never show it right context)."""
+    cfg = model.cfg
+    ids, hidden = infill_rows(tok, pairs)
+    start = int(hidden[0].nonzero()[0])  # the first hidden position, the same in every row
+    truth = [question[HIDDEN[0] : HIDDEN[-1] + 1] for question, _ in pairs]
+    rows = []
+    for penalty in PENALTIES:
+        greedy = dict(temperature=0, repetition_penalty=penalty)
+        if cfg.order == "ar":
+            out = setdiff.generate(model, prompt=ids[:, :start], max_new_tokens=4, **greedy)
+            filled = out.tokens.cpu()[:, start:]
+        else:
+            holes = ids.masked_fill(hidden, cfg.mask_id)
+            out = setdiff.generate(model, infill=holes, **greedy)
+            filled = out.tokens.cpu()[hidden].view(len(pairs), -1)
+        fills = [tok.decode(row) for row in filled]
+        right = right_fills(pairs, fills)
+        same = [fill == steps for fill, steps in zip(fills, truth)]
+        row = dict(model=setdiff.policy_name(cfg), repetition_penalty=penalty)
+        row["window"] = setdiff.default_window(cfg, infill=True)
+        row["accuracy"] = 100 * sum(right) / len(right)
+        rows.append(row | dict(exact_steps=100 * sum(same) / len(same)))
+    return rows
+
+
+def evaluate(paths, pairs, device):
+    out = dict(frontier=[], infill=[])
+    for path in paths:
+        model, tok, _ = setdiff.load_checkpoint(path, device)
+        model.eval()
+        print(f"model: {path}, {setdiff.policy_name(model.cfg)}", flush=True)
+        out["frontier"] += sweep(model, tok, pairs)
+        out["infill"] += infill(model, tok, pairs)
+    return out
+
+
+def print_tables(res, args):
     print(f"\n## Exact-match accuracy against speed ({args.problems} test problems, greedy)\n")
     print("| model | window | threshold | accuracy (%) | tokens/call | tokens/s |")
     print("|---" * 6 + "|")
-    for r in rows:
+    for r in res["frontier"]:
         accuracy = r["accuracy"]
         accuracy = "(timing only)" if accuracy is None else f"{accuracy:.1f}"
         threshold = r["threshold"] or ">1"
         speed = f"{r['tokens_per_call']:.2f} | {r['tokens_per_s']:,.0f}"
         cells = [r["model"], r["window"], threshold, accuracy, speed]
+        line = " | ".join(map(str, cells))
+        print(f"| {line} |")
+    print("\n## Infilling the middle 4 steps (greedy, one token a call)\n")
+    print(
+        "| model | window | repetition penalty | fills that walk to the answer (%) | the same steps (%) |"
+    )
+    print("|---" * 5 + "|")
+    for r in res["infill"]:
+        cells = [r["model"], r["window"], r["repetition_penalty"]]
+        cells += [f"{r['accuracy']:.1f}", f"{r['exact_steps']:.1f}"]
         line = " | ".join(map(str, cells))
         print(f"| {line} |")
 
@@ -166,10 +239,10 @@ def main(argv=None):
         require(given, "give checkpoints and --test FILE (or --write DIR)")
         device, _ = setup(args)
         pairs = read_test(args.test)[: args.problems]
-        rows = frontier(args.ckpt, pairs, device)
-        print_table(rows, args)
+        res = evaluate(args.ckpt, pairs, device)
+        print_tables(res, args)
         if args.json:
-            write_json(args.json, dict(frontier=rows))
+            write_json(args.json, res)
     except (ValueError, OSError) as e:  # setdiff raises ValueError for bad input
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
