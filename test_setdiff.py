@@ -4091,6 +4091,27 @@ def test_infill_fills_with_the_repetition_penalty(infill_spans, monkeypatch):
     assert {c.kwargs["repetition_penalty"] for c in spy.call_args_list} == {1.2}
 
 
+def test_infill_repeats_are_the_span_tokens_equal_to_the_one_before(infill_spans):
+    _, x, starts, _ = infill_spans
+    fills = torch.tensor([[97, 97, 98, 98, 97, 98, 32, 32]] * len(x))
+    same = 0
+    for row, a, fill in zip(x, starts.tolist(), fills):
+        filled = row.clone()
+        filled[a : a + infill.SPAN] = fill
+        same += sum(int(filled[t] == filled[t - 1]) for t in range(a, a + infill.SPAN))
+    assert infill.repeats(x, starts, fills) == same / fills.numel()
+
+
+def test_infill_writes_a_row_per_model_and_penalty(ckpts, tmp_path, monkeypatch):
+    monkeypatch.setattr(infill, "FIRST", 4)  # spans inside these rows of 24
+    out = tmp_path / "infill.json"
+    argv = [f"{ckpts}/st.pt", "--judge", f"{ckpts}/ar.pt", "--rows", "2", "--num-orders", "1"]
+    assert infill.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["models"]
+    assert [r["repetition_penalty"] for r in rows] == [1.0, 1.2]  # the default: both
+    assert rows[0]["gain"] == rows[1]["gain"]  # one bound a model
+
+
 def test_infill_refuses_a_model_without_pad_in_one_line(ckpts, capsys):
     """owt.pt has no PAD (as GPT-2 models): the left-side bound cannot cut its rows."""
     assert infill.main([f"{ckpts}/owt.pt", "--judge", f"{ckpts}/ar.pt", "--rows", "2"]) == 2

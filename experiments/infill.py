@@ -2,8 +2,9 @@
 for every model: the span's bound given both sides and given its left side only (the row cut
 right after the span); their difference G = left - both is what a model gets from right
 context. Then greedy fills by the authors' protocol (all context cached first, one token a call,
-the policy's largest window; AR sees the left side only), scored by byte accuracy, exact match
-and an AR judge's NLL of the text after the span.
+the policy's largest window: the default infill window; AR sees the left side only), with each
+--repetition-penalty, scored by byte accuracy, exact match, an AR judge's NLL of the text after
+the span and the share of filled bytes that repeat the byte before them (a model-free measure).
 
     python experiments/infill.py runs/{ar,block-d4,staggered-d4}/ckpt.pt --judge runs/ar/ckpt.pt
 """
@@ -94,6 +95,15 @@ def fill(model, x, starts, repetition_penalty):
     return fills
 
 
+def repeats(x, starts, fills):
+    """The share of the span's tokens equal to the token before them (greedy decoding's stutter:
+    "aaaa", "    ")."""
+    _, span, _ = regions(x, starts)
+    filled = x.masked_scatter(span, fills)
+    same = filled[:, 1:] == filled[:, :-1]  # (n, L - 1): token t equals token t - 1
+    return same[span[:, 1:]].double().mean().item()
+
+
 def judged_suffix(judge, x, starts, fills):
     """The AR judge's NLL (nats/token) of the text after the span, given all before it."""
     _, span, right = regions(x, starts)
@@ -108,7 +118,8 @@ def evaluate(args, device):
     _, span, _ = regions(x, starts)
     truth = x[span].view(-1, SPAN)  # (n, SPAN)
     true_span = judged_suffix(judge, x, starts, truth)
-    res = dict(true_span_judged=true_span, models=[])
+    res = dict(true_span_judged=true_span, true_span_repeats=repeats(x, starts, truth))
+    res["models"] = []
     for path in args.ckpt:
         model, _, _ = setdiff.load_checkpoint(path, device)
         model.eval()
@@ -117,32 +128,34 @@ def evaluate(args, device):
         require(pad is not None, no_pad)
         name = setdiff.policy_name(model.cfg)
         print(f"model: {path}, {name}", flush=True)
-        fills = fill(model, x, starts, args.repetition_penalty)
-        hits = fills == truth
-        exact = hits.all(1)
-        row = dict(model=name, ckpt=path)
-        row |= span_bounds(model, x, starts, args)
-        row["byte_accuracy"] = hits.double().mean().item()
-        row["exact"] = exact.double().mean().item()
-        row["judged_suffix"] = judged_suffix(judge, x, starts, fills)
-        res["models"].append(row)
+        bounds = span_bounds(model, x, starts, args)
+        for penalty in args.repetition_penalty:
+            fills = fill(model, x, starts, penalty)
+            hits = fills == truth
+            row = dict(model=name, ckpt=path, repetition_penalty=penalty) | bounds
+            row["byte_accuracy"] = hits.double().mean().item()
+            row["exact"] = hits.all(1).double().mean().item()
+            row["judged_suffix"] = judged_suffix(judge, x, starts, fills)
+            row["repeats"] = repeats(x, starts, fills)
+            res["models"].append(row)
     return res
 
 
 def print_table(res, args):
     orders = f"K={args.num_orders} orders a span"
     print(f"\n## Infilling {args.rows} spans of {SPAN} tokens (bounds in nats/token, {orders})\n")
-    head = "| model | bound, both sides | bound, left side | G = left - both | byte accuracy "
-    print(head + "| exact span | judged NLL after the span |")
-    print("|---" * 7 + "|")
+    head = "| model | bound, both sides | bound, left side | G = left - both | penalty | byte "
+    print(head + "accuracy | exact span | judged NLL after the span | repeats |")
+    print("|---" * 9 + "|")
     for r in res["models"]:
         both = f"{r['both']:.3f} +- {r['both_se']:.3f}"
         left = f"{r['left']:.3f} +- {r['left_se']:.3f}"
-        cells = [r["model"], both, left, f"{r['gain']:.3f}"]
+        cells = [r["model"], both, left, f"{r['gain']:.3f}", f"{r['repetition_penalty']:g}"]
         cells += [f"{r['byte_accuracy']:.3f}", f"{r['exact']:.3f}", f"{r['judged_suffix']:.3f}"]
-        line = " | ".join(cells)
+        line = " | ".join(cells + [f"{r['repeats']:.3f}"])
         print(f"| {line} |")
-    print(f"\nthe true span: judged NLL after it {res['true_span_judged']:.3f} (nats/token)")
+    judged = f"judged NLL after it {res['true_span_judged']:.3f} (nats/token)"
+    print(f"\nthe true span: {judged}, repeats {res['true_span_repeats']:.3f}")
 
 
 def main(argv=None):
@@ -154,8 +167,8 @@ def main(argv=None):
     add("--rows", type=int, default=512, help="spans, one a validation row (512)")
     add("--num-orders", type=int, default=4, metavar="K", help="decode orders a span (4)")
     add("--seed", type=int, default=0, help="seed of the orders (0)")
-    penalty = "of the fills, 1 = off; the authors' infill table: 1.2 (1)"
-    add("--repetition-penalty", type=float, default=1.0, help=penalty)
+    penalty = "of the fills, each in turn; 1 = off, the authors' infill table: 1.2 (1 1.2)"
+    add("--repetition-penalty", type=float, nargs="+", default=[1.0, 1.2], help=penalty)
     shared_flags(add)
     args = p.parse_args(argv)
     try:
