@@ -711,21 +711,19 @@ class KVCache:
 
     def store(self, new_idx, new_valid):
         """After a call: the new tokens' keys/values, still behind the cache in every layer,
-        move to their positions, which later calls then see. A scatter, not a gather of the
-        valid entries: their count is on the device, and reading it would wait for it."""
+        move to their positions, which later calls then see. Indexed by all (row, slot) pairs,
+        not by the valid ones: their count is on the device, and reading it would wait."""
         C = self.length
         n = new_idx.shape[1]
-        # a padded entry goes to slot C + n, this call's first query's, which no later call
-        # reads before writing it
+        on = new_idx.device
+        rows = torch.arange(len(new_idx), device=on)[:, None]  # (B, 1)
+        # a padded entry goes to slot C + n, this call's first query's, written before it is read
         dest = torch.where(new_valid, new_idx, C + n)  # (B, n)
-        N, B, H, _, hd = self.shape
-        index = dest[None, :, None, :, None].expand(N, B, H, n, hd)
+        slot = C + torch.arange(n, device=on)  # (n,)
         for buffer in (self.k, self.v):
-            new = buffer[:, :, :, C : C + n].clone()  # (N, B, H, n, hd)
-            buffer.scatter_(3, index, new)
-        hits = torch.zeros_like(self.filled, dtype=torch.int)
-        hits.scatter_add_(1, torch.where(new_valid, new_idx, 0), new_valid.int())
-        self.filled |= hits > 0
+            buffer[:, rows, :, dest] = buffer[:, rows, :, slot]
+        at = new_idx[..., None] == torch.arange(C, device=on)  # (B, n, C): where each goes
+        self.filled |= (at & new_valid[..., None]).any(1)
 
 
 def predict(model, x, new, queries, cache=None):
