@@ -3889,18 +3889,18 @@ def plot_inputs(tmp_path, monkeypatch):
     a += [dict(kind="train", tokens=100, loss=1.0)]
     a += [dict(kind="val", tokens=100, bits_per_byte=4.25)]
     (tmp_path / "a").mkdir()
-    row = dict(model="m", window=2, threshold=0.5)
+    row = dict(model="m", window=2, threshold=0.5, distinct_4grams=0.5)
     samples = [dict(row, threshold=None, tokens_per_call=1.0, judge_nll=2.0)]
     samples += [dict(row, tokens_per_call=1.5, judge_nll=2.19)]  # <= 1.1 x 2.0
     samples += [dict(row, tokens_per_call=3.0, judge_nll=2.3)]  # > 1.1 x 2.0
-    cmp = dict(samples=samples, validation=dict(judge_nll=1.0))
-    (tmp_path / "cmp.json").write_text(json.dumps(cmp))
+    cmp = dict(samples=samples, validation=dict(judge_nll=1.0, distinct_4grams=0.5))
+    (tmp_path / "frontier-m-s0.json").write_text(json.dumps(cmp))
     files = [write_records(tmp_path / "a" / "metrics.jsonl", a)]
     for seed, bits in enumerate([5.0, 6.0]):  # b's two seeds
         b = [dict(kind="val", tokens=100, bits_per_byte=bits)]
         files += [write_records(tmp_path / f"b-s{seed}.jsonl", b)]
     setdiff.save_checkpoint(tmp_path / "ar.pt", tiny_model(order="ar"), BYTES)
-    return [*files, str(tmp_path / "cmp.json"), str(tmp_path / "ar.pt")]
+    return [*files, str(tmp_path / "frontier-m-s0.json"), str(tmp_path / "ar.pt")]
 
 
 def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
@@ -3911,7 +3911,7 @@ def test_plot_prints_the_curves_and_the_10_percent_rule(plot_inputs, capsys):
     assert "| training tokens | a | b |" in out
     assert "| 100 | 4.250 +- nan | 5.500 +- 0.707 |" in out  # (6 - 5) / sqrt(2)
     assert "| 200 | 3.500 +- nan | nan +- nan |" in out
-    assert "| m, w=2 | 1.50 |" in out  # 2.19 <= 1.1 x 2.0 < 2.3
+    assert "| m, w=2 | 1.50 +- nan (1.50) | 3.00 +- nan (3.00) |" in out  # 2.19 <= 2.2 < 2.3
 
 
 def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, capsys):
@@ -3936,7 +3936,7 @@ def test_plot_decode_orders_of_an_ar_model_run_left_to_right(plot_inputs):
 
 def test_plot_refuses_other_files(tmp_path, capsys):
     assert plot.main([str(tmp_path / "x.txt")]) == 2
-    assert "or checkpoint files" in capsys.readouterr().err
+    assert "infill.py .json or .pt files" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -3969,20 +3969,36 @@ def test_compare_bound_is_the_elbo_of_the_validation_rows(ckpts, comparison):
     assert bound["bits_per_byte"] == pytest.approx(bits)
 
 
-def test_plot_frontier_of_a_comparison_is_sorted_by_tokens_per_call(comparison):
-    lines = plot.frontier(comparison[1])
-    assert list(lines) == ["ar, w=1", "staggered d=3, s=6, w=3", "staggered d=3, s=6, w=6"]
-    assert all(points == sorted(points) for points in lines.values())
-    assert all(points[0][0] >= 1 for points in lines.values())
+def test_plot_groups_the_seeds_of_a_setting():
+    first = [
+        dict(model="m", window=2, threshold=None, x=0),
+        dict(model="m", window=2, threshold=0.5, x=1),
+    ]
+    second = [dict(model="m", window=2, threshold=0.5, x=2)]
+    rows = plot.by_setting({"m-s0": dict(samples=first), "m-s1": dict(samples=second)}, "samples")
+    got = {setting: [r["x"] for r in seeds] for setting, seeds in rows.items()}
+    assert got == {("m", 2, None): [0], ("m", 2, 0.5): [1, 2]}
 
 
-def test_plot_within_is_the_most_tokens_per_call_within_1_1x(comparison):
+@table("key", {"judged-nll": "judge_nll", "distinct-4grams": "distinct_4grams"})
+def test_plot_within_is_the_most_tokens_per_call_within_10_percent(comparison, key):
     samples = comparison[1]["samples"]
-    for name, value in plot.within(comparison[1]).items():  # by hand
+    for name, value in plot.within(samples, key).items():  # by hand
         mine = [r for r in samples if f"{r['model']}, w={r['window']}" == name]
-        base = [r["judge_nll"] for r in mine if r["threshold"] is None]
-        kept = [r["tokens_per_call"] for r in mine if r["judge_nll"] <= 1.1 * base[0]]
+        base = [r[key] for r in mine if r["threshold"] is None][0]
+        low = 0 if key == "judge_nll" else 0.9 * base - 1e-12
+        kept = [r["tokens_per_call"] for r in mine if low <= r[key] <= 1.1 * base + 1e-12]
         assert value == max(kept)
+
+
+@table("speed,best", {"1": (1.0, 90.0), "2": (2.0, 40.0), "3.5": (3.5, 0.0), "5": (5.0, math.nan)})
+def test_plot_best_accuracy_is_the_best_at_or_above_the_speed(speed, best):
+    rows = [dict(tokens_per_call=c, accuracy=a) for c, a in [(1, 90), (2, 40), (2.6, 10), (4, 0)]]
+    assert plot.best_at(rows, speed) == pytest.approx(best, nan_ok=True)
+
+
+def test_plot_spread_gives_mean_std_and_each_seed():
+    assert plot.spread([1.0, 2.0, 3.0], 1) == "2.0 +- 1.0 (1.0, 2.0, 3.0)"
 
 
 @table(
@@ -4225,12 +4241,12 @@ def test_frontier_infill_rows_are_each_model_and_penalty(frontier_run):
     assert all(0 <= r["exact_steps"] <= r["accuracy"] <= 100 for r in rows)
 
 
-def test_plot_draws_the_frontier_of_a_json(frontier_run, tmp_path):
-    rows, _, _ = frontier_run
-    (tmp_path / "r.json").write_text(json.dumps(dict(frontier=rows)))
+def test_plot_draws_the_task_of_a_json(frontier_run, tmp_path):
+    res = frontier_run[0]
+    (tmp_path / "task-x-s0.json").write_text(json.dumps(res))
     with mock.patch.object(plot, "draw") as draw:  # the figure's data reaches the drawing
-        assert plot.main([str(tmp_path / "r.json")]) == 0
-    assert draw.call_args.args[2]["frontier"] == rows
+        assert plot.main([str(tmp_path / "task-x-s0.json")]) == 0
+    assert draw.call_args.args[1]["task"] == {"x-s0": res}
 
 
 def test_pip_installs_setdiff_and_the_two_scripts():

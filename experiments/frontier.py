@@ -34,7 +34,7 @@ import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
 
 STEPS = 8  # steps a problem
-HIDDEN = range(5, 9)  # the characters of the question hidden for infilling: steps 3-6 of 8
+HIDDEN = slice(5, 9)  # the characters of the question hidden for infilling: steps 3-6 of 8
 THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 PENALTIES = (1.0, 1.2)  # infilling: none, and the authors' infill table's
 
@@ -101,9 +101,12 @@ def decode_answers(model, tok, pairs, sampler):
     if sampler == "plain":
         out = plain_decoder(model, prompt, A)
     else:
-        out = setdiff.generate(model, prompt=prompt, max_new_tokens=A, temperature=0, **sampler)
-    texts = [tok.decode(row[P:]) for row in out.tokens.cpu()]
-    hits = [text == answer for text, (_, answer) in zip(texts, pairs)]
+        sampler |= dict(max_new_tokens=A, temperature=0)
+        out = setdiff.generate(model, prompt=prompt, **sampler)
+    answers = out.tokens.cpu()[:, P:]
+    hits = []
+    for mine, (_, right) in zip(answers, pairs):
+        hits.append(tok.decode(mine) == right)
     accuracy = 100 * sum(hits) / len(hits)
     if sampler == "plain":
         accuracy = None  # timing only
@@ -138,9 +141,9 @@ def infill_rows(tok, pairs):
     answers = torch.tensor([tok.encode(answer) for _, answer in pairs])
     ids = torch.cat([prompt, answers], 1)
     question = prompt.shape[1] - len(pairs[0][0])  # where every question starts
-    hidden = torch.zeros_like(ids, dtype=torch.bool)
-    hidden[:, [question + i for i in HIDDEN]] = True
-    return ids, hidden
+    pos = torch.arange(ids.shape[1]) - question  # in the question
+    hidden = (pos >= HIDDEN.start) & (pos < HIDDEN.stop)
+    return ids, hidden.expand_as(ids)
 
 
 def right_fills(pairs, fills):
@@ -148,10 +151,12 @@ def right_fills(pairs, fills):
     with its hidden steps replaced, walked again."""
     right = []
     for (question, answer), fill in zip(pairs, fills):
-        text = question[: HIDDEN[0]] + fill + question[HIDDEN[-1] + 1 :]
+        text = question[: HIDDEN.start] + fill + question[HIDDEN.stop :]
         steps = text[3 : 3 + STEPS]
-        legal = len(fill) == len(HIDDEN) and set(steps) <= set("+r")
-        right.append(legal and walk(int(text[2]), steps) == answer)
+        legal = len(text) == len(question)
+        legal = legal and set(steps) <= set("+r")
+        walked = walk(int(text[2]), steps)
+        right.append(legal and walked == answer)
     return right
 
 
@@ -163,24 +168,25 @@ def infill(model, tok, pairs):
     cfg = model.cfg
     ids, hidden = infill_rows(tok, pairs)
     start = int(hidden[0].nonzero()[0])  # the first hidden position, the same in every row
-    truth = [question[HIDDEN[0] : HIDDEN[-1] + 1] for question, _ in pairs]
+    truth = [question[HIDDEN] for question, _ in pairs]
     rows = []
     for penalty in PENALTIES:
         greedy = dict(temperature=0, repetition_penalty=penalty)
         if cfg.order == "ar":
-            out = setdiff.generate(model, prompt=ids[:, :start], max_new_tokens=4, **greedy)
-            filled = out.tokens.cpu()[:, start:]
+            left = ids[:, :start]
+            out = setdiff.generate(model, prompt=left, max_new_tokens=4, **greedy)
         else:
             holes = ids.masked_fill(hidden, cfg.mask_id)
             out = setdiff.generate(model, infill=holes, **greedy)
-            filled = out.tokens.cpu()[hidden].view(len(pairs), -1)
+        filled = out.tokens.cpu()[:, start : start + 4]
         fills = [tok.decode(row) for row in filled]
         right = right_fills(pairs, fills)
         same = [fill == steps for fill, steps in zip(fills, truth)]
         row = dict(model=setdiff.policy_name(cfg), repetition_penalty=penalty)
         row["window"] = setdiff.default_window(cfg, infill=True)
         row["accuracy"] = 100 * sum(right) / len(right)
-        rows.append(row | dict(exact_steps=100 * sum(same) / len(same)))
+        row["exact_steps"] = 100 * sum(same) / len(same)
+        rows.append(row)
     return rows
 
 
@@ -208,9 +214,8 @@ def print_tables(res, args):
         line = " | ".join(map(str, cells))
         print(f"| {line} |")
     print("\n## Infilling the middle 4 steps (greedy, one token a call)\n")
-    print(
-        "| model | window | repetition penalty | fills that walk to the answer (%) | the same steps (%) |"
-    )
+    head = "| model | window | repetition penalty | fills that walk to the answer (%) "
+    print(head + "| the same steps (%) |")
     print("|---" * 5 + "|")
     for r in res["infill"]:
         cells = [r["model"], r["window"], r["repetition_penalty"]]

@@ -101,7 +101,8 @@ def repeats(x, starts, fills):
     _, span, _ = regions(x, starts)
     filled = x.masked_scatter(span, fills)
     same = filled[:, 1:] == filled[:, :-1]  # (n, L - 1): token t equals token t - 1
-    return same[span[:, 1:]].double().mean().item()
+    same = same[span[:, 1:]].double()
+    return same.mean().item()
 
 
 def judged_suffix(judge, x, starts, fills):
@@ -118,7 +119,8 @@ def evaluate(args, device):
     _, span, _ = regions(x, starts)
     truth = x[span].view(-1, SPAN)  # (n, SPAN)
     true_span = judged_suffix(judge, x, starts, truth)
-    res = dict(true_span_judged=true_span, true_span_repeats=repeats(x, starts, truth))
+    stutter = repeats(x, starts, truth)
+    res = dict(true_span_judged=true_span, true_span_repeats=stutter)
     res["models"] = []
     for path in args.ckpt:
         model, _, _ = setdiff.load_checkpoint(path, device)
@@ -134,7 +136,8 @@ def evaluate(args, device):
             hits = fills == truth
             row = dict(model=name, ckpt=path, repetition_penalty=penalty) | bounds
             row["byte_accuracy"] = hits.double().mean().item()
-            row["exact"] = hits.all(1).double().mean().item()
+            exact = hits.all(1).double()
+            row["exact"] = exact.mean().item()
             row["judged_suffix"] = judged_suffix(judge, x, starts, fills)
             row["repeats"] = repeats(x, starts, fills)
             res["models"].append(row)

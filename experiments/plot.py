@@ -1,15 +1,19 @@
-"""The tables behind the README's figures, then the figures (matplotlib for the drawing only):
-runs' metrics.jsonl -> assets/training.png (runs NAME-sSEED: NAME's mean and seed band);
-compare.py --json -> assets/frontier.png and the tokens per call each model reaches within 10%
-of its quality at one token per call; frontier.py --json -> assets/reasoning.png (accuracy
-against tokens per call and tokens/s); checkpoints (.pt) -> assets/orders.png (decode orders).
+"""The tables behind the README's results, then its figures (matplotlib for the drawing only).
+Files of runs are named for the run, NAME-sSEED, and a table gives each model's mean +- the
+standard deviation over its seeds (nan: one seed), then each seed's value:
+runs' metrics.jsonl -> the validation bound while training, assets/training.png;
+compare.py --json of a run (frontier-NAME-sSEED.json) -> judged NLL and distinct 4-grams against
+tokens per call, assets/frontier.png, and the most tokens per call within 10% of a model's quality
+at one token a call; frontier.py --json (task-NAME-sSEED.json) -> accuracy against tokens per call
+(and tokens/s), assets/task.png, the best accuracy at or above given tokens per call, and the
+task's infilling; infill.py --json (infill-gen-NAME-sSEED.json) -> infilling English; checkpoints (.pt)
+-> decode orders, assets/orders.png.
 
-    python experiments/plot.py assets/runs/*.jsonl assets/compare.json assets/reasoning.json
+    python experiments/plot.py assets/runs/*.jsonl assets/frontier-*.json assets/task-*.json
 """
 
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,6 +22,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "assets"
 DOTS = dict(marker="o", ms=3)  # a line's points
+KINDS = {"samples": "frontier", "frontier": "task", "models": "infill"}  # a JSON key -> its kind
+SPEEDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0)  # tokens per call at which tasks compare accuracy
 
 
 def training_curve(path):
@@ -29,20 +35,243 @@ def training_curve(path):
     return sorted(points)
 
 
+def model_of(run):
+    """A run's name without its seed: "staggered-d4-s1" -> "staggered-d4"."""
+    return re.sub(r"-s\d+$", "", run)
+
+
 def seed_bands(runs):
     """Runs NAME-sSEED grouped by NAME -> {NAME: {tokens: [bits per byte, a seed each]}}."""
     bands = {}
     for name, points in runs.items():
-        band = bands.setdefault(re.sub(r"-s\d+$", "", name), {})
+        band = bands.setdefault(model_of(name), {})
         for tokens, bits in points:
             band.setdefault(tokens, []).append(bits)
     return bands
 
 
 def mean_std(seeds):
-    """Their mean and standard deviation (nan for one seed: no spread to show)."""
-    std = statistics.stdev(seeds) if seeds[1:] else np.nan
-    return statistics.mean(seeds), std
+    """Their mean and standard deviation (nan for one seed: no spread to show; nan in, nan out)."""
+    seeds = np.asarray(seeds, dtype=float)
+    std = np.nan
+    if len(seeds) > 1:
+        std = seeds.std(ddof=1)
+    return seeds.mean(), std
+
+
+def spread(values, digits=2):
+    """'mean +- std (each seed, ...)'."""
+    mean, std = mean_std(values)
+    each = ", ".join(f"{v:.{digits}f}" for v in values)
+    return f"{mean:.{digits}f} +- {std:.{digits}f} ({each})"
+
+
+def by_setting(results, key):
+    """{run: JSON} -> {(model, window, threshold): [its row of each seed]}, the rows of `key`;
+    the model is the policy's table name, the same for every seed."""
+    rows = {}
+    for run in sorted(results):
+        for r in results[run][key]:
+            knob = r.get("threshold", r.get("repetition_penalty"))  # a sampler's or infill's
+            setting = (r["model"], r.get("window"), knob)
+            rows.setdefault(setting, []).append(r)
+    return rows
+
+
+def within(samples, key, slack=0.1):
+    """'model, w=W' -> the most tokens per call whose `key` (judge_nll, distinct_4grams) is
+    within `slack` of its value at one token a call (threshold > 1, recorded as None) with that
+    window: judged NLL at most (1 + slack) times it, distinct 4-grams within slack of it."""
+    base = {}
+    for r in samples:
+        if r["threshold"] is None:
+            base[f"{r['model']}, w={r['window']}"] = r[key]
+    reach = {}
+    for r in samples:
+        name = f"{r['model']}, w={r['window']}"
+        change = r[key] / base[name] - 1
+        if key != "judge_nll":  # fewer distinct 4-grams (repetition) or more (noise)
+            change = abs(change)
+        if change <= slack:
+            most = max(reach.get(name, 0), r["tokens_per_call"])
+            reach[name] = most
+    return reach
+
+
+def best_at(rows, speed):
+    """The best accuracy of a run's settings that reveal at least `speed` tokens a call (nan:
+    none does)."""
+    kept = [r["accuracy"] for r in rows if r["tokens_per_call"] >= speed]
+    return max(kept, default=np.nan)
+
+
+def table(head, lines):
+    print("\n| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
+    for cells in lines:
+        line = " | ".join(map(str, cells))
+        print(f"| {line} |")
+
+
+def seed_cells(rows, keys, digits=2):
+    """spread() of each key over the seeds' rows."""
+    cells = []
+    for key in keys:
+        values = [r[key] for r in rows]
+        cells.append(spread(values, digits))
+    return cells
+
+
+def training_table(bands):
+    """A row per validation: each model's mean +- std over its seeds."""
+    seen = {t for band in bands.values() for t in band}
+    lines = []
+    for tokens in sorted(seen):
+        cells = [f"{tokens:,}"]
+        for band in bands.values():
+            seeds = band.get(tokens, [np.nan])
+            cells.append("{:.3f} +- {:.3f}".format(*mean_std(seeds)))
+        lines.append(cells)
+    table(["training tokens", *bands], lines)
+
+
+def frontier_tables(frontier):
+    """Each setting's quality and speed, then each model and window's 10% rule."""
+    keys = ("tokens_per_call", "judge_nll", "distinct_4grams")
+    settings = by_setting(frontier, "samples")
+    lines = []
+    for (model, w, tau), rows in settings.items():
+        cells = seed_cells(rows, keys)
+        lines.append([model, w, tau or ">1", *cells])
+    table(["model", "window", "threshold", *keys], lines)
+    reach = {}  # "model, w=W" -> [{quality: tokens per call} of each seed]
+    for run in sorted(frontier):
+        samples = frontier[run]["samples"]
+        for key in keys[1:]:
+            for name, tokens in within(samples, key).items():
+                model = reach.setdefault(name, {})
+                model.setdefault(key, []).append(tokens)
+    lines = []
+    for name, seeds in reach.items():
+        cells = [spread(seeds[key]) for key in keys[1:]]
+        lines.append([name, *cells])
+    table(["model, window", "within 10%: of judged NLL", "of distinct 4-grams"], lines)
+
+
+def task_tables(task):
+    """Each setting's accuracy and speed; the best accuracy at or above SPEEDS; infilling."""
+    lines = []
+    settings = by_setting(task, "frontier")
+    for (model, w, tau), rows in settings.items():
+        cells = [model, w, tau or ">1", "(timing only)"]  # the plain causal decoder's
+        if rows[0]["accuracy"] is not None:
+            cells[3:] = seed_cells(rows, ["accuracy"], 1)
+        cells += seed_cells(rows, ["tokens_per_call"])
+        cells += seed_cells(rows, ["tokens_per_s"], 0)
+        lines.append(cells)
+    table(["model", "window", "threshold", "accuracy (%)", "tokens/call", "tokens/s"], lines)
+    models = {}  # NAME -> each seed's rows
+    for run in sorted(task):
+        rows = task[run]["frontier"]
+        models.setdefault(model_of(run), []).append(rows)
+    lines = []
+    for name, seeds in models.items():
+        cells = [name]
+        for speed in SPEEDS:
+            best = [best_at(rows, speed) for rows in seeds]
+            cells.append(spread(best, 1))
+        lines.append(cells)
+    table(["best accuracy (%) at tokens/call >=", *map(str, SPEEDS)], lines)
+    lines = []
+    settings = by_setting(task, "infill")
+    for (model, w, penalty), rows in settings.items():
+        cells = seed_cells(rows, ["accuracy", "exact_steps"], 1)
+        lines.append([model, w, penalty, *cells])
+    head = ["model", "window", "repetition penalty", "fills that walk to the answer (%)"]
+    table(head + ["the hidden steps (%)"], lines)
+
+
+def infill_table(infill):
+    keys = ("gain", "byte_accuracy", "exact", "judged_suffix", "repeats")
+    lines = []
+    settings = by_setting(infill, "models")
+    for (model, _, penalty), rows in settings.items():
+        cells = seed_cells(rows, keys, 3)
+        lines.append([model, penalty, *cells])
+    table(["model", "repetition penalty", *keys], lines)
+
+
+def print_tables(bands, found):
+    if bands:
+        training_table(bands)
+    if found["frontier"]:
+        frontier_tables(found["frontier"])
+    if found["task"]:
+        task_tables(found["task"])
+    if found["infill"]:
+        infill_table(found["infill"])
+
+
+def draw_training(plt, bands):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, band in bands.items():
+        tokens = list(band)
+        stats = [mean_std(seeds) for seeds in band.values()]
+        mean, std = np.array(stats).T
+        ax.plot(tokens, mean, label=name, marker=".")
+        low = mean - std
+        ax.fill_between(tokens, low, low + 2 * std, alpha=0.2)
+    bound = "validation bound (bits/byte), mean +- std of seeds"
+    ax.set(xlabel="training tokens", ylabel=bound)
+    return fig, ax, "Validation bound while training", "training.png"
+
+
+def draw_bands(axes, results, key, ys):
+    """A line a model and window through its settings' means (x: tokens per call, in threshold
+    order), a band of +- one standard deviation over the seeds for each y key."""
+    colour = {}  # a colour per model; its larger window (they come in order) dashed
+    lines = {}
+    settings = by_setting(results, key)
+    for (model, w, _), rows in settings.items():
+        lines.setdefault((model, w), []).append(rows)
+    for (model, w), seeds in lines.items():
+        style = "--" if model in colour else "-"
+        colour.setdefault(model, f"C{len(colour) % 10}")
+        x = [np.mean([r["tokens_per_call"] for r in rows]) for rows in seeds]
+        look = dict(color=colour[model], ls=style)
+        for ax, y in zip(axes, ys):
+            bands = [mean_std([r[y] for r in rows]) for rows in seeds]
+            mean, std = np.array(bands).T
+            ax.plot(x, mean, label=f"{model}, w={w}", **look, **DOTS)
+            low = mean - std
+            high = mean + std
+            ax.fill_between(x, low, high, color=look["color"], alpha=0.15)
+
+
+def draw_frontier(plt, frontier):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    draw_bands(axes, frontier, "samples", ("judge_nll", "distinct_4grams"))
+    real = next(iter(frontier.values()))["validation"]
+    for ax, y in zip(axes, ("judge_nll", "distinct_4grams")):
+        ax.axhline(real[y], color="grey", lw=0.8, label="validation rows")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter("{x:g}")
+    axes[0].set(xlabel="tokens per call", ylabel="judged NLL (nats/token, AR judge)")
+    axes[1].set(xlabel="tokens per call", ylabel="share of distinct 4-grams")
+    return fig, axes[0], "Quality against speed, English bytes", "frontier.png"
+
+
+def draw_task(plt, task):
+    """Accuracy against tokens per call, the set samplers' (the plain decoder is timing only)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    timed = {}
+    for run, res in task.items():
+        rows = [r for r in res["frontier"] if r["accuracy"] is not None]
+        timed[run] = dict(frontier=rows)
+    draw_bands([ax], timed, "frontier", ("accuracy",))
+    ax.set(xlabel="tokens per call", ylabel="exact-match accuracy (%)")
+    ax.set_ylim(-2, 102)
+    return fig, ax, "Accuracy against tokens per call on the walk task", "task.png"
 
 
 def decode_orders(paths, threshold=0.3, first=32):
@@ -68,107 +297,6 @@ def decode_orders(paths, threshold=0.3, first=32):
     return orders
 
 
-def line_name(r):
-    """A sample row's line in the figures: 'model, w=W'."""
-    return f"{r['model']}, w={r['window']}"
-
-
-def frontier(compare):
-    """'model, w=W' -> [(tokens per call, judged NLL)] of the samples, by tokens per call."""
-    lines = {}
-    for r in compare["samples"]:
-        name = line_name(r)
-        point = (r["tokens_per_call"], r["judge_nll"])
-        lines.setdefault(name, []).append(point)
-    return {name: sorted(points) for name, points in lines.items()}
-
-
-def within(compare, slack=1.1):
-    """'model, w=W' -> the most tokens per call whose judged NLL is at most `slack` times the
-    NLL at one token per call (threshold > 1, recorded as None) with that window."""
-    samples = compare["samples"]
-    base = {}
-    for r in samples:
-        if r["threshold"] is None:
-            base[line_name(r)] = r["judge_nll"]
-    reach = {}
-    for r in samples:
-        name = line_name(r)
-        if r["judge_nll"] <= slack * base[name]:
-            reach[name] = max(reach.get(name, 0), r["tokens_per_call"])
-    return reach
-
-
-def print_tables(bands, compare):
-    if bands:  # a row per validation: mean +- std over the seeds
-        names = " | ".join(bands)
-        print(f"| training tokens | {names} |")
-        print("|---" * (len(bands) + 1) + "|")
-        seen = {t for band in bands.values() for t in band}
-        for tokens in sorted(seen):
-            cells = [mean_std(band.get(tokens, [np.nan])) for band in bands.values()]
-            cells = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in cells)
-            print(f"| {tokens:,} | {cells} |")
-    if compare:  # the 10% rule
-        print("\n| model, window | most tokens/call at a judged NLL within 10% of 1 token/call's |")
-        print("|---|---|")
-        for model, tokens in within(compare).items():
-            print(f"| {model} | {tokens:.2f} |")
-
-
-def draw_training(plt, bands):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, band in bands.items():
-        tokens = list(band)
-        mean, std = np.array(list(map(mean_std, band.values()))).T
-        ax.plot(tokens, mean, label=name, marker=".")
-        low = mean - std
-        ax.fill_between(tokens, low, low + 2 * std, alpha=0.2)
-    bound = "validation bound (bits/byte), mean +- std of seeds"
-    ax.set(xlabel="training tokens", ylabel=bound)
-    return fig, ax, "Validation bound while training", "training.png"
-
-
-def draw_frontier(plt, compare):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colour = {}  # a colour per model; its larger window (they come in order) dashed
-    for name, points in frontier(compare).items():
-        model = name.rsplit(", w=", 1)[0]
-        style = "--" if model in colour else "-"
-        colour.setdefault(model, f"C{len(colour) % 10}")
-        speed, nll = zip(*points)
-        ax.plot(speed, nll, label=name, color=colour[model], ls=style, **DOTS)
-    real = compare["validation"]["judge_nll"]
-    ax.axhline(real, color="grey", lw=0.8, label="validation")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter("{x:g}")
-    ax.set(xlabel="tokens per call", ylabel="judged NLL (nats/token, AR judge)")
-    return fig, ax, "Quality against speed", "frontier.png"
-
-
-def draw_reasoning(plt, reasoning):
-    """One line a model and window: accuracy against tokens per call, and against tokens/s."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    by_call, by_speed = axes
-    lines = {}
-    for r in reasoning["frontier"]:
-        if r["accuracy"] is None:  # the plain decoder: a speed, drawn as a vertical line
-            speed = r["tokens_per_s"]
-            by_speed.axvline(speed, color="k", ls=":", label=r["model"])
-            continue
-        lines.setdefault(line_name(r), []).append(r)
-    for i, (name, rows) in enumerate(lines.items()):
-        colour = f"C{i % 10}"
-        accuracy = [r["accuracy"] for r in rows]  # in threshold order
-        for ax, key in zip(axes, ("tokens_per_call", "tokens_per_s")):
-            speed = [r[key] for r in rows]
-            ax.plot(speed, accuracy, label=name, color=colour, **DOTS)
-    by_call.set(xlabel="tokens per call", ylabel="exact-match accuracy (%)")
-    by_speed.set(xlabel="tokens/s (all test problems in one batch)")
-    by_speed.set_title("and against tokens/s")
-    return fig, by_call, "Exact-match accuracy against tokens per call", "reasoning.png"
-
-
 def draw_orders(plt, orders):
     """A panel a policy: position against step, in a training order and a greedy sample."""
     fig, _ = plt.subplots(1, len(orders), figsize=(13, 3.6))
@@ -182,26 +310,26 @@ def draw_orders(plt, orders):
     return fig, first, first.get_title(), "orders.png"
 
 
-def draw(runs, compare, reasoning=None, orders=None):
+def draw(bands, found, orders=None):
     try:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("drawing needs matplotlib (pip install matplotlib)") from None
     plt.switch_backend("Agg")  # files only, no display
     figures = []
-    if runs:
-        figures.append(draw_training(plt, runs))
-    if compare:
-        figures.append(draw_frontier(plt, compare))
-    if reasoning:
-        figures.append(draw_reasoning(plt, reasoning))
+    if bands:
+        figures.append(draw_training(plt, bands))
+    if found["frontier"]:
+        figures.append(draw_frontier(plt, found["frontier"]))
+    if found["task"]:
+        figures.append(draw_task(plt, found["task"]))
     if orders:
         figures.append(draw_orders(plt, orders))
     for fig, ax, title, name in figures:
         ax.set_title(title)
         for a in fig.axes:
             a.grid(alpha=0.3)
-            a.legend(fontsize=7)
+        ax.legend(fontsize=7)
         fig.savefig(ASSETS / name, dpi=120, bbox_inches="tight")
         print(f"drawn: {ASSETS / name}")
 
@@ -210,25 +338,27 @@ def main(paths):
     try:
         kinds = (".jsonl", ".json", ".pt")
         if not paths or not all(p.endswith(kinds) for p in paths):
-            raise ValueError("give metrics.jsonl, compare/frontier.py .json or checkpoint files")
+            raise ValueError("give metrics.jsonl, compare/frontier/infill.py .json or .pt files")
         runs = {}
-        found = {"samples": None, "frontier": None}  # compare.py's, frontier.py's
+        found = {kind: {} for kind in KINDS.values()}  # kind -> {run: its JSON}
         ckpts = []
         for path in map(Path, paths):
             if path.suffix == ".pt":
                 ckpts.append(path)
             elif path.suffix == ".json":
                 data = json.loads(path.read_text())
-                found[next(k for k in found if k in data)] = data
+                kind = KINDS[next(k for k in KINDS if k in data)]
+                run = path.stem.removeprefix(f"{kind}-").removeprefix("infill-gen-")
+                found[kind][run] = data
             else:  # a run's metrics.jsonl, or a copy of it named for the run
                 name = path.parent.name if path.name == "metrics.jsonl" else path.stem
                 runs[name] = training_curve(path)
         bands = seed_bands(runs)
-        print_tables(bands, found["samples"])
+        print_tables(bands, found)
         orders = decode_orders(ckpts)
-        draw(bands, found["samples"], found["frontier"], orders)
+        draw(bands, found, orders)
     except (KeyError, StopIteration) as e:
-        print(f"error: not a metrics.jsonl or compare/frontier.py --json ({e!r})", file=sys.stderr)
+        print(f"error: not a metrics.jsonl or a script's --json ({e!r})", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # a missing file, not JSON, no matplotlib
         print(f"error: {e}", file=sys.stderr)
