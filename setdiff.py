@@ -747,13 +747,10 @@ def predict(model, x, new, queries, cache=None):
     n = new_idx.shape[1]
     m = q_idx.shape[1]
     C = 0 if cache is None else cache.length  # cache slots
-    # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
-    on = x.device  # made there: a CPU tensor moved to a GPU waits for its queued work
-    cached_rank = torch.zeros(C, device=on)
-    new_rank = torch.arange(1, n + 1, device=on)
-    query_rank = torch.full((m,), n + 1, device=on)
-    rank = torch.cat([cached_rank, new_rank, query_rank])
+    # made on x's device: a CPU tensor moved to a GPU would wait for its queued work
     slot = torch.arange(C + n + m, device=x.device)
+    # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
+    rank = (slot - C + 1).clamp(0, n + 1)
     is_mask = slot >= C + n
     call = slice(C, None)  # this call's n + m tokens are the queries of the mask
     query = (rank[call, None], is_mask[call, None], slot[call, None])
@@ -865,13 +862,11 @@ def generate(
     use_cache=True,
     stop_at_eos=False,
 ):
-    """The set sampler, batched: every row has its own window and progress. `prompt` (T,) or
-    (B, T) ids to continue, or `infill` with MASK where to fill (the other tokens are context
-    and never change); sampler_window and canvas, above, check the arguments. The window w
-    defaults to default_window(cfg); tau = `threshold` > 1 reveals one token per call;
-    temperature 0 is greedy; top_p 1 draws from the model's own distribution (the authors'
-    default); repetition_penalty 1 is off. `use_cache=False` runs the cache-free reference
-    step. -> a Generation."""
+    """The set sampler, batched (each row has its own window and progress): `prompt` (T,) or
+    (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
+    sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
+    call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
+    default). `use_cache=False` runs the cache-free reference step. -> a Generation."""
     cfg = model.cfg
     device = next(model.parameters()).device
     w = sampler_window(
@@ -896,12 +891,7 @@ def generate(
     n_query = min(w, T)  # fixed sizes: no call reads a count from the device
     diverged = torch.zeros((), dtype=torch.bool, device=device)
     calls = 0
-    while True:
-        # the call's one read of the device: are all rows done, were any outputs NaN
-        finished, nan = torch.stack([done.all(), diverged]).tolist()
-        require(not nan, "the model's outputs are NaN: its weights diverged")
-        if finished:
-            break
+    while some_row_left(done, diverged):
         # 1. the window of each unfinished row
         masked = (x == cfg.mask_id) & ~done[:, None]
         queries = gather_sets(window_queries(masked, w, block_size), n=n_query)
@@ -919,12 +909,8 @@ def generate(
         cand, conf = draw_candidates(logits, temperature, top_p, generator)  # (B, m)
         q_idx, q_valid = queries
         reveal = commit_rule(conf, q_valid, threshold)  # (B, m)
-        # the set written by a scatter at the queries' positions; a query not revealed (or a
-        # padded one, at the given position 0) writes back what is there
-        tokens = torch.where(reveal, cand, x.gather(1, q_idx))
-        x.scatter_(1, q_idx, tokens)
-        call = torch.where(reveal, calls, reveal_call.gather(1, q_idx))
-        reveal_call.scatter_(1, q_idx, call)
+        write_where(x, q_idx, reveal, cand)
+        write_where(reveal_call, q_idx, reveal, calls)
         n_new = n_query
         pending = reveal_call == calls  # this call's set: the next call caches it
         row_calls += ~done
@@ -940,6 +926,21 @@ def generate(
         reveal_call = reveal_call.clone()
         row_calls = row_calls.cpu().clone()
     return Generation(tokens, reveal_call, calls, row_calls, seconds)
+
+
+def some_row_left(done, diverged) -> bool:
+    """A sampler call's one read of the device: whether a row is not done. NaN outputs (weights
+    that diverged) are refused here, a call late, not by a read of their own."""
+    finished, nan = torch.stack([done.all(), diverged]).tolist()
+    require(not nan, "the model's outputs are NaN: its weights diverged")
+    return not finished
+
+
+def write_where(t, idx, chosen, values):
+    """t[b, idx[b, j]] = values[b, j] where chosen[b, j], by a scatter of every entry (no host
+    read of how many): one not chosen, or padded (at the given position 0), writes back t."""
+    kept = t.gather(1, idx)
+    t.scatter_(1, idx, torch.where(chosen, values, kept))
 
 
 def stop_at_first_eos(cfg, x, reveal_call):

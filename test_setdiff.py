@@ -59,9 +59,8 @@ def table(names: str, cases: dict):
 # sees a CUDA GPU (skipped elsewhere, never failed); experiments/gpu_check.py runs them by id.
 CUDA = torch.cuda.is_available()
 no_gpu = pytest.mark.skipif(not CUDA, reason="no CUDA GPU here")
-on_devices = pytest.mark.parametrize(
-    "device", [pytest.param("cpu", id="on_cpu"), pytest.param("cuda", id="on_cuda", marks=no_gpu)]
-)
+DEVICES = [pytest.param("cpu", id="on_cpu"), pytest.param("cuda", id="on_cuda", marks=no_gpu)]
+on_devices = pytest.mark.parametrize("device", DEVICES)
 
 
 # Operations that bring a result to the host: on a GPU each waits for all queued work. A
@@ -103,11 +102,22 @@ def host_reads(device):
             yield reads
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    reads += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    messages = [str(w.message) for w in caught]
+    reads += [m for m in messages if "synchroniz" in m]
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def on_device(inputs, device):
+    """generate()'s keyword arguments with their tensors moved to `device`."""
+    moved = {}
+    for key, value in inputs.items():
+        if torch.is_tensor(value):
+            value = value.to(device)
+        moved[key] = value
+    return moved
 
 
 def tiny_cfg(**kw):
@@ -156,7 +166,8 @@ def nll_of(model, x, order, scored):
 def causal_logits(model, tokens, positions):
     """A causal forward: each slot sees itself and the slots before it -> logits (B, T, V)."""
     T = tokens.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None]
+    ones = torch.ones(T, T, dtype=torch.bool, device=tokens.device)
+    causal = ones.tril()[None]
     return model(tokens, positions, causal)
 
 
@@ -842,7 +853,7 @@ def test_cached_and_cache_free_predictions_agree_on_every_state(inputs, precisio
     cache-free step feeds every revealed token in decode order."""
     dtype, compute, atol = precision
     model = tiny_model(dtype=dtype).to(device)
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    inputs = on_device(inputs, device)
     with setdiff.autocast(torch.device(device), compute):
         replay_states(model, inputs, atol)
 
@@ -902,7 +913,7 @@ def generated(policy, decoding, start, use_cache=True, device="cpu"):
     dtype = torch.float64 if temperature else torch.float32
     model = tiny_model(dtype=dtype, order=order).to(device)
     inputs, given, context = start_rows(model.cfg, start)
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    inputs = on_device(inputs, device)
     out = generate(
         model,
         **inputs,
@@ -1086,7 +1097,8 @@ def test_a_sampler_call_reads_the_device_once(decoding, device):
     reads = []
     for new in (5, 5, 11):  # one token a call; the first run warms up (a GPU's first uses)
         with host_reads(device) as read:
-            generate(model, max_new_tokens=new, window=3, temperature=decoding, generator=gen(0))
+            sampler = dict(window=3, temperature=decoding, generator=gen(0))
+            generate(model, max_new_tokens=new, **sampler)
         reads.append(len(read))
     assert reads[2] - reads[1] == 11 - 5
 
@@ -1701,7 +1713,8 @@ WORDPIECE = Tokenizer("wordpiece", VOCAB)
 def export_model(**kw):
     """A tiny_model over VOCAB (L = 24, D = 32, 2 heads, 2 layers, d = 3, s = 6) whose special
     ids are WORDPIECE's: [MASK] 4, [CLS] BOS and EOS, [PAD] 0."""
-    specials = dict(vocab_size=len(VOCAB), mask_id=4, bos_id=2, eos_id=2, pad_id=0)
+    specials = dict(vocab_size=len(VOCAB), mask_id=4, pad_id=0)
+    specials |= dict(bos_id=2, eos_id=2)  # [CLS], as LM1B's
     model = tiny_model(**(specials | kw))
     with torch.no_grad():
         for w in model.parameters():  # every weight its own: LayerNorm's off 1, biases off 0
@@ -1761,7 +1774,8 @@ def test_exported_weights_give_the_authors_forward_setdiffs_nll(exported):
     x = vocab_rows()
     order = sample_order(model.cfg, 3, gen(1))
     want = position_nll(model, x, order).float().gather(1, order)  # decode order
-    assert torch.allclose(authors_nll(sd, 2, x, order, 4), want, atol=2e-5)
+    theirs = authors_nll(sd, 2, x, order, 4)
+    assert torch.allclose(theirs, want, atol=2e-5)
 
 
 def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
@@ -1782,7 +1796,8 @@ def read_safetensors(path):
     for name, info in header.items():
         start, end = info["data_offsets"]
         array = np.frombuffer(body[start:end], dtype=dtypes[info["dtype"]])
-        tensors[name] = torch.from_numpy(array.copy()).reshape(info["shape"])
+        tensor = torch.from_numpy(array.copy())
+        tensors[name] = tensor.reshape(info["shape"])
     ends = max(info["data_offsets"][1] for info in header.values())
     return tensors, n, meta, len(body) - ends
 
@@ -1829,7 +1844,8 @@ def test_an_export_writes_max_block_size_as_s_and_reads_it_back(tmp_path, d, s, 
 
 def gpt2_export(bpe, folder):
     """A tiny OWT-style model over the bpe fixture (no BOS, no PAD), exported -> the model."""
-    model = tiny_model(vocab_size=20, bos_id=None, pad_id=None, eos_id=18, mask_id=19)
+    ids = dict(vocab_size=20, eos_id=18, mask_id=19)
+    model = tiny_model(bos_id=None, pad_id=None, **ids)
     setdiff.save_released(model, bpe, folder)
     return model
 
@@ -1852,7 +1868,8 @@ def test_a_gpt2_export_loads_back_with_its_tokenizer_and_config(bpe, tmp_path):
     assert loaded.cfg == model.cfg
 
 
-BYTE_IDS = dict(vocab_size=260, mask_id=259, bos_id=257, eos_id=258, pad_id=256)
+BYTE_IDS = dict(vocab_size=260, mask_id=259, pad_id=256)
+BYTE_IDS |= dict(bos_id=257, eos_id=258)
 
 
 @table(
@@ -3975,8 +3992,10 @@ def test_plot_groups_the_seeds_of_a_setting():
         dict(model="m", window=2, threshold=0.5, x=1),
     ]
     second = [dict(model="m", window=2, threshold=0.5, x=2)]
-    rows = plot.by_setting({"m-s0": dict(samples=first), "m-s1": dict(samples=second)}, "samples")
-    got = {setting: [r["x"] for r in seeds] for setting, seeds in rows.items()}
+    runs = {"m-s0": dict(samples=first), "m-s1": dict(samples=second)}
+    got = {}
+    for setting, seeds in plot.by_setting(runs, "samples").items():
+        got[setting] = [r["x"] for r in seeds]
     assert got == {("m", 2, None): [0], ("m", 2, 0.5): [1, 2]}
 
 
@@ -3987,13 +4006,20 @@ def test_plot_within_is_the_most_tokens_per_call_within_10_percent(comparison, k
         mine = [r for r in samples if f"{r['model']}, w={r['window']}" == name]
         base = [r[key] for r in mine if r["threshold"] is None][0]
         low = 0 if key == "judge_nll" else 0.9 * base - 1e-12
-        kept = [r["tokens_per_call"] for r in mine if low <= r[key] <= 1.1 * base + 1e-12]
+        high = 1.1 * base + 1e-12
+        kept = [r["tokens_per_call"] for r in mine if low <= r[key] <= high]
         assert value == max(kept)
 
 
-@table("speed,best", {"1": (1.0, 90.0), "2": (2.0, 40.0), "3.5": (3.5, 0.0), "5": (5.0, math.nan)})
+SPEEDS = {"1": (1.0, 90.0), "2": (2.0, 40.0), "3.5": (3.5, 0.0), "5": (5.0, math.nan)}
+
+
+@table("speed,best", SPEEDS)
 def test_plot_best_accuracy_is_the_best_at_or_above_the_speed(speed, best):
-    rows = [dict(tokens_per_call=c, accuracy=a) for c, a in [(1, 90), (2, 40), (2.6, 10), (4, 0)]]
+    rows = []
+    settings = [(1, 90), (2, 40), (2.6, 10), (4, 0)]  # (tokens per call, accuracy)
+    for calls, accuracy in settings:
+        rows.append(dict(tokens_per_call=calls, accuracy=accuracy))
     assert plot.best_at(rows, speed) == pytest.approx(best, nan_ok=True)
 
 
@@ -4109,12 +4135,14 @@ def test_infill_fills_with_the_repetition_penalty(infill_spans, monkeypatch):
 
 def test_infill_repeats_are_the_span_tokens_equal_to_the_one_before(infill_spans):
     _, x, starts, _ = infill_spans
-    fills = torch.tensor([[97, 97, 98, 98, 97, 98, 32, 32]] * len(x))
+    fill = [97, 97, 98, 98, 97, 98, 32, 32]  # "aabbab  "
+    fills = torch.tensor([fill] * len(x))
     same = 0
     for row, a, fill in zip(x, starts.tolist(), fills):
         filled = row.clone()
         filled[a : a + infill.SPAN] = fill
-        same += sum(int(filled[t] == filled[t - 1]) for t in range(a, a + infill.SPAN))
+        for t in range(a, a + infill.SPAN):
+            same += int(filled[t] == filled[t - 1])
     assert infill.repeats(x, starts, fills) == same / fills.numel()
 
 
@@ -4194,7 +4222,9 @@ def decoded_here(frontier_run):
     sampler = dict(max_new_tokens=8, temperature=0, window=8, threshold=0.3)
     out = generate(model, prompt=prompt, **sampler)
     new = out.tokens[:, prompt.shape[1] :]
-    right = [BYTES.decode(row) == a for row, (_, a) in zip(new, pairs)]
+    right = []
+    for row, (_, answer) in zip(new, pairs):
+        right.append(BYTES.decode(row) == answer)
     row = res["frontier"][2 + 8 + 4]  # staggered, w=8, tau=0.3
     assert (row["window"], row["threshold"]) == (8, 0.3)
     return row, out, right
@@ -4235,7 +4265,9 @@ def test_frontier_a_fill_is_right_when_its_steps_walk_to_the_answer(fill, right)
 
 def test_frontier_infill_rows_are_each_model_and_penalty(frontier_run):
     rows = frontier_run[0]["infill"]
-    got = [(r["model"], r["window"], r["repetition_penalty"]) for r in rows]
+    got = []
+    for r in rows:
+        got.append((r["model"], r["window"], r["repetition_penalty"]))
     ar = [("ar", 1, p) for p in (1.0, 1.2)]
     assert got == ar + [("staggered d=4, s=8", 8, p) for p in (1.0, 1.2)]
     assert all(0 <= r["exact_steps"] <= r["accuracy"] <= 100 for r in rows)

@@ -44,7 +44,10 @@ def walk(start, steps):
     x = start
     values = ""
     for step in steps:
-        x = (x + 1) % 10 if step == "+" else 9 - x
+        if step == "+":
+            x = (x + 1) % 10
+        else:
+            x = 9 - x
         values += str(x)
     return values
 
@@ -56,14 +59,16 @@ def problem(rng):
     (one count each); with "+d" steps of any digit an AR model learned nothing in 1,500 steps
     (a value then tells nothing alone, without the step); both measured."""
     x = rng.randrange(10)
-    steps = "".join(rng.choice("+r") for _ in range(STEPS))
+    choices = [rng.choice("+r") for _ in range(STEPS)]
+    steps = "".join(choices)
     return f"Q:{x}{steps} A:", walk(x, steps)
 
 
 def write_task(folder, train=200_000, test=1000, seed=0):
     """train.txt and test.txt, one problem a line, each from its own seeded stream."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    for name, n, stream in (("train.txt", train, seed), ("test.txt", test, seed + 1)):
+    files = (("train.txt", train, seed), ("test.txt", test, seed + 1))
+    for name, n, stream in files:
         rng = random.Random(stream)
         lines = ["".join(problem(rng)) + "\n" for _ in range(n)]
         Path(folder, name).write_text("".join(lines))
@@ -87,7 +92,8 @@ def prompts(tok, pairs):
     rows = []
     for shot, (question, _) in zip(shots, pairs):
         solved = tok.encode("".join(shot))
-        rows.append([tok.bos_id, *solved, tok.eos_id, *tok.encode(question)])
+        asked = tok.encode(question)
+        rows.append([tok.bos_id, *solved, tok.eos_id, *asked])
     return torch.tensor(rows)  # the fixed format gives every prompt one length
 
 
@@ -138,7 +144,8 @@ def infill_rows(tok, pairs):
     """-> ids (n, T): the prompts of prompts() followed by their answers, and hidden (n, T):
     the positions of the question's middle steps (HIDDEN)."""
     prompt = prompts(tok, pairs)
-    answers = torch.tensor([tok.encode(answer) for _, answer in pairs])
+    answer_ids = [tok.encode(answer) for _, answer in pairs]
+    answers = torch.tensor(answer_ids)
     ids = torch.cat([prompt, answers], 1)
     question = prompt.shape[1] - len(pairs[0][0])  # where every question starts
     pos = torch.arange(ids.shape[1]) - question  # in the question

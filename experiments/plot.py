@@ -29,9 +29,11 @@ SPEEDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0)  # tokens per call at which tasks compar
 def training_curve(path):
     """[(training tokens, validation bits per byte)] of a metrics.jsonl, in step order."""
     lines = Path(path).read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    validations = [r for r in records if r.get("kind") == "val"]
-    points = [(r["tokens"], r["bits_per_byte"]) for r in validations]
+    points = []
+    for line in lines:
+        record = json.loads(line) if line.strip() else {}
+        if record.get("kind") == "val":
+            points.append((record["tokens"], record["bits_per_byte"]))
     return sorted(points)
 
 
@@ -101,7 +103,8 @@ def within(samples, key, slack=0.1):
 def best_at(rows, speed):
     """The best accuracy of a run's settings that reveal at least `speed` tokens a call (nan:
     none does)."""
-    kept = [r["accuracy"] for r in rows if r["tokens_per_call"] >= speed]
+    fast = [r for r in rows if r["tokens_per_call"] >= speed]
+    kept = [r["accuracy"] for r in fast]
     return max(kept, default=np.nan)
 
 
@@ -237,10 +240,14 @@ def draw_bands(axes, results, key, ys):
     for (model, w), seeds in lines.items():
         style = "--" if model in colour else "-"
         colour.setdefault(model, f"C{len(colour) % 10}")
-        x = [np.mean([r["tokens_per_call"] for r in rows]) for rows in seeds]
+        x = []  # each setting's mean tokens per call
+        for rows in seeds:
+            x.append(np.mean([r["tokens_per_call"] for r in rows]))
         look = dict(color=colour[model], ls=style)
         for ax, y in zip(axes, ys):
-            bands = [mean_std([r[y] for r in rows]) for rows in seeds]
+            bands = []
+            for rows in seeds:
+                bands.append(mean_std([r[y] for r in rows]))
             mean, std = np.array(bands).T
             ax.plot(x, mean, label=f"{model}, w={w}", **look, **DOTS)
             low = mean - std
@@ -253,7 +260,8 @@ def draw_frontier(plt, frontier):
     draw_bands(axes, frontier, "samples", ("judge_nll", "distinct_4grams"))
     real = next(iter(frontier.values()))["validation"]
     for ax, y in zip(axes, ("judge_nll", "distinct_4grams")):
-        ax.axhline(real[y], color="grey", lw=0.8, label="validation rows")
+        grey = dict(color="grey", lw=0.8)
+        ax.axhline(real[y], label="validation rows", **grey)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter("{x:g}")
     axes[0].set(xlabel="tokens per call", ylabel="judged NLL (nats/token, AR judge)")
@@ -266,8 +274,9 @@ def draw_task(plt, task):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     timed = {}
     for run, res in task.items():
-        rows = [r for r in res["frontier"] if r["accuracy"] is not None]
-        timed[run] = dict(frontier=rows)
+        rows = res["frontier"]
+        sampled = [r for r in rows if r["accuracy"] is not None]
+        timed[run] = dict(frontier=sampled)
     draw_bands([ax], timed, "frontier", ("accuracy",))
     ax.set(xlabel="tokens per call", ylabel="exact-match accuracy (%)")
     ax.set_ylim(-2, 102)
@@ -299,7 +308,8 @@ def decode_orders(paths, threshold=0.3, first=32):
 
 def draw_orders(plt, orders):
     """A panel a policy: position against step, in a training order and a greedy sample."""
-    fig, _ = plt.subplots(1, len(orders), figsize=(13, 3.6))
+    size = (13, 3.6)
+    fig, _ = plt.subplots(1, len(orders), figsize=size)
     for ax, name in zip(fig.axes, orders):
         training, sample = orders[name]
         ax.plot(*training, ".", color="grey", label="training order (step: slot)")
@@ -337,7 +347,8 @@ def draw(bands, found, orders=None):
 def main(paths):
     try:
         kinds = (".jsonl", ".json", ".pt")
-        if not paths or not all(p.endswith(kinds) for p in paths):
+        known = all(p.endswith(kinds) for p in paths)
+        if not paths or not known:
             raise ValueError("give metrics.jsonl, compare/frontier/infill.py .json or .pt files")
         runs = {}
         found = {kind: {} for kind in KINDS.values()}  # kind -> {run: its JSON}
