@@ -957,9 +957,10 @@ def stop_at_first_eos(cfg, x, reveal_call):
     stop = (first[:, 0] < T) & ~gaps
     after = stop[:, None] & (pos > first)
     after &= reveal_call != GIVEN
-    # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_call marks it ERASED
-    x[after] = cfg.eos_id if cfg.pad_id is None else cfg.pad_id
-    reveal_call[after] = ERASED
+    # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_call marks it ERASED.
+    # masked_fill_, not x[after] = ...: a boolean index reads its count from the device.
+    x.masked_fill_(after, cfg.eos_id if cfg.pad_id is None else cfg.pad_id)
+    reveal_call.masked_fill_(after, ERASED)
     return stop
 
 
@@ -986,7 +987,7 @@ def content_digest(value, h=None):
     h = h or hashlib.sha256()
     if isinstance(value, torch.Tensor):
         h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        raw = value.detach().cpu().reshape(-1).view(torch.uint8)
+        raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
         h.update(raw.numpy().tobytes())
     elif isinstance(value, dict):
         for key in sorted(value, key=repr):
@@ -1318,8 +1319,11 @@ def released_spec(cfg: Config, kind: str) -> dict:
     # setdiff takes PAD from the tokenizer files, so it reads back as none.
     pad = cfg.eos_id if cfg.pad_id is None else cfg.pad_id
     ids = {"vocab_size": cfg.vocab_size, "mask_token_id": cfg.mask_id, "pad_token_id": pad}
-    ends = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_vocab_size_multiple": 1}
-    # no auto_map: it names code files that the authors' upload adds and their loader ignores
+    # NOTE: their LM1B configs leave BOS and EOS unset ([CLS] is both in the data); their OWT
+    # configs name <|endoftext|> for both
+    end = None if kind == "wordpiece" else cfg.eos_id
+    ends = {"bos_token_id": end, "eos_token_id": end, "pad_vocab_size_multiple": 1}
+    # NOTE: no auto_map: it names code files that the authors' upload adds and no loader needs
     return {
         "architectures": ["SetDLM"],
         "model_type": "bd3lm",
@@ -1330,6 +1334,10 @@ def released_spec(cfg: Config, kind: str) -> dict:
         "block_size": L,
         "eval_block_size": L,
         "keep_clean_bos": True,  # position 0 comes first and is not scored, as in setdiff
+        "eval_nll": False,
+        "train_on_context": False,
+        "setdlm_eos_last_in_target_order": False,
+        "setdlm_fht_cache_order": False,
         "tokenization_config": ids | ends,
         "tokenizer_name": RELEASED_TOKENIZERS[kind],  # the files in the folder are what count
         **ids,

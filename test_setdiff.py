@@ -1089,15 +1089,17 @@ def test_a_middle_threshold_takes_calls_between_the_extremes():
 
 
 @on_devices
+@table("stop_at_eos", {"to-the-end": False, "stop-at-eos": True})
 @table("decoding", {"greedy": 0.0, "sampled": 1.0})
-def test_a_sampler_call_reads_the_device_once(decoding, device):
+def test_a_sampler_call_reads_the_device_once(decoding, stop_at_eos, device):
     """Whether every row is done (and no output NaN): the loop's one read. 6 more calls, 6
     more reads; the checks before the loop read a fixed number."""
     model = tiny_model().to(device)
     reads = []
     for new in (5, 5, 11):  # one token a call; the first run warms up (a GPU's first uses)
         with host_reads(device) as read:
-            sampler = dict(window=3, temperature=decoding, generator=gen(0))
+            sampler = dict(window=3, temperature=decoding, stop_at_eos=stop_at_eos)
+            sampler |= dict(generator=gen(0))
             generate(model, max_new_tokens=new, **sampler)
         reads.append(len(read))
     assert reads[2] - reads[1] == 11 - 5
@@ -1440,6 +1442,10 @@ def authors_config(V, L, D, H, N, d, mask_id, **backbone):
         "block_size": L,
         "eval_block_size": L,
         "keep_clean_bos": True,
+        "eval_nll": False,
+        "train_on_context": False,
+        "setdlm_eos_last_in_target_order": False,
+        "setdlm_fht_cache_order": False,
         "tokenization_config": tokens,
         "vocab_size": V,
         "pad_token_id": 0,
@@ -1815,13 +1821,13 @@ def test_the_exported_safetensors_hold_the_bins_tensors(exported):
 
 
 def test_an_exported_config_json_is_the_authors(exported):
-    """authors_config with the model's d, s = 6, dropout and [CLS] as BOS and EOS; no auto_map
-    (it names code files that the export does not write)."""
+    """authors_config with the model's d, s = 6 and dropout, BOS and EOS unset as in LM1B's; no
+    auto_map (it names code files that the export does not write)."""
     spec = config_of(exported[1])
     want = authors_config(len(VOCAB), 24, 32, 2, 2, 3, 4, dropout=0.0)
     del want["auto_map"]
     want["noise_config"]["max_block_size"] = 6
-    ids = {"bos_token_id": 2, "eos_token_id": 2, "pad_vocab_size_multiple": 1}
+    ids = {"eos_token_id": None, "pad_vocab_size_multiple": 1}  # LM1B's: BOS, EOS unset
     want["tokenization_config"] |= ids
     want |= {"tokenizer_name": "bert-base-uncased", "pad_vocab_size_multiple": 1}
     assert spec == want
@@ -4002,7 +4008,9 @@ def test_plot_groups_the_seeds_of_a_setting():
 @table("key", {"judged-nll": "judge_nll", "distinct-4grams": "distinct_4grams"})
 def test_plot_within_is_the_most_tokens_per_call_within_10_percent(comparison, key):
     samples = comparison[1]["samples"]
-    for name, value in plot.within(samples, key).items():  # by hand
+    reach = plot.within(samples, key)
+    assert list(reach) == ["ar, w=1", "staggered d=3, s=6, w=3", "staggered d=3, s=6, w=6"]
+    for name, value in reach.items():  # by hand
         mine = [r for r in samples if f"{r['model']}, w={r['window']}" == name]
         base = [r[key] for r in mine if r["threshold"] is None][0]
         low = 0 if key == "judge_nll" else 0.9 * base - 1e-12
@@ -4261,6 +4269,23 @@ def test_frontier_infill_hides_the_middle_four_steps(frontier_run):
 def test_frontier_a_fill_is_right_when_its_steps_walk_to_the_answer(fill, right):
     pairs = [("Q:6r+rrrrrr A:", "34545454")]  # 6 r 3 + 4 r 5 r 4 r 5 r 4 r 5 r 4
     assert frontier.right_fills(pairs, [fill]) == [right]
+
+
+def test_frontier_infill_scores_the_hidden_columns(frontier_run, monkeypatch):
+    """A generate that writes each question's own steps into the holes (AR: after the left
+    side) scores 100%: the fills are read from the hidden columns."""
+    _, pairs, paths = frontier_run
+    ids, hidden = frontier.infill_rows(BYTES, pairs)
+
+    def truth(model, prompt=None, infill=None, max_new_tokens=None, **kw):
+        rows = ids if prompt is None else ids[:, : prompt.shape[1] + max_new_tokens]
+        return mock.Mock(tokens=rows.clone())
+
+    monkeypatch.setattr(setdiff, "generate", truth)
+    for path in paths:  # ar, then staggered
+        model = load_checkpoint(path)[0]
+        rows = frontier.infill(model, BYTES, pairs)
+        assert [(r["accuracy"], r["exact_steps"]) for r in rows] == [(100.0, 100.0)] * 2
 
 
 def test_frontier_infill_rows_are_each_model_and_penalty(frontier_run):

@@ -46,7 +46,7 @@ def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generat
     B, P = prompt.shape
     start = time.perf_counter()
     T = P + new_tokens
-    cache = setdiff.KVCache(model.cfg, B, T, max_call=P, device=device)
+    cache = setdiff.KVCache(model.cfg, B, T, max_call=P + 1, device=device)  # a spare slot
     prompt = prompt.to(device)
     tokens = prompt  # the first call: the prompt
     positions = torch.arange(P, device=device)

@@ -33,7 +33,7 @@ from compare import setup, shared_flags, write_json  # noqa: E402
 import setdiff  # noqa: E402
 from setdiff import require  # noqa: E402
 
-STEPS = 8  # steps a problem
+STEPS = 8  # steps a problem; a character, and a byte token, each
 HIDDEN = slice(5, 9)  # the characters of the question hidden for infilling: steps 3-6 of 8
 THRESHOLDS = (math.inf, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05)
 PENALTIES = (1.0, 1.2)  # infilling: none, and the authors' infill table's
@@ -54,10 +54,10 @@ def walk(start, steps):
 
 def problem(rng):
     """-> (question, answer), e.g. "Q:6r+rrrrrr A:", "34545454".
-    NOTE: "+" and "r" do not commute, so a value is not a count of the steps before it. With
-    "+1" and "-1" steps every model, whatever its order, revealed 3.6 tokens a call at 100%
-    (one count each); with "+d" steps of any digit an AR model learned nothing in 1,500 steps
-    (a value then tells nothing alone, without the step); both measured."""
+    NOTE: "+" and "r" do not commute, so a value is not a count of the steps before it (a
+    count, of "+1" and "-1" steps, many values at once are easy); and a value tells which of two
+    values comes next (steps of any digit leave the next value unknown without the step, which
+    a small model learns slowly). experiments/README.md has the measurements."""
     x = rng.randrange(10)
     choices = [rng.choice("+r") for _ in range(STEPS)]
     steps = "".join(choices)
@@ -146,7 +146,7 @@ def infill_rows(tok, pairs):
     prompt = prompts(tok, pairs)
     answer_ids = [tok.encode(answer) for _, answer in pairs]
     answers = torch.tensor(answer_ids)
-    ids = torch.cat([prompt, answers], 1)
+    ids = torch.cat([prompt, answers], 1)  # a character a token: the bytes tokenizer
     question = prompt.shape[1] - len(pairs[0][0])  # where every question starts
     pos = torch.arange(ids.shape[1]) - question  # in the question
     hidden = (pos >= HIDDEN.start) & (pos < HIDDEN.stop)
@@ -179,13 +179,14 @@ def infill(model, tok, pairs):
     rows = []
     for penalty in PENALTIES:
         greedy = dict(temperature=0, repetition_penalty=penalty)
+        width = HIDDEN.stop - HIDDEN.start
         if cfg.order == "ar":
             left = ids[:, :start]
-            out = setdiff.generate(model, prompt=left, max_new_tokens=4, **greedy)
+            out = setdiff.generate(model, prompt=left, max_new_tokens=width, **greedy)
         else:
             holes = ids.masked_fill(hidden, cfg.mask_id)
             out = setdiff.generate(model, infill=holes, **greedy)
-        filled = out.tokens.cpu()[:, start : start + 4]
+        filled = out.tokens.cpu()[:, start : start + width]
         fills = [tok.decode(row) for row in filled]
         right = right_fills(pairs, fills)
         same = [fill == steps for fill, steps in zip(fills, truth)]
@@ -202,6 +203,8 @@ def evaluate(paths, pairs, device):
     for path in paths:
         model, tok, _ = setdiff.load_checkpoint(path, device)
         model.eval()
+        bytes_only = f"{path}: the task's problems are bytes; train it with the bytes tokenizer"
+        require(tok.kind == "bytes", bytes_only)
         print(f"model: {path}, {setdiff.policy_name(model.cfg)}", flush=True)
         out["frontier"] += sweep(model, tok, pairs)
         out["infill"] += infill(model, tok, pairs)

@@ -1,7 +1,7 @@
 """The first minutes on a GPU, measured rather than debugged: the CUDA tests; train_small's own
 training step of --preset lm1b, eager and compiled (seconds, tokens/s, peak memory, MFU); the row
 loader against a 0.2 s step; the sampler on the 132M network beside a plain KV-cached causal
-decoder; the cache's exactness on CUDA. Sized for at most 8 minutes on one H100. One table; the
+decoder; the cache's exactness on CUDA. Sized for minutes on an H100-class GPU. One table; the
 rows go to --json after every part, so that a run cut short keeps what it measured, and a part
 that fails becomes an error row while the others still run. --dry-run: every part on the CPU
 with tiny shapes, a check of this script (its numbers measure nothing).
@@ -38,7 +38,7 @@ import train_small  # noqa: E402
 from setdiff import require  # noqa: E402
 
 SPECIALS = "[PAD] [UNK] [CLS] [SEP] [MASK]".split()  # a BERT vocab.txt's, first
-STEP = 0.2  # seconds of an lm1b step at 40% MFU on one H100 (README.md): the loader's yardstick
+STEP = 0.2  # seconds: the loader's yardstick, an lm1b step at about 40% MFU on an H100
 WINDOW = 4  # the sampler's w: d of the lm1b preset
 # dense bf16 FLOP/s by a name inside the device's; the first match wins (H100 PCIe before H100)
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -54,7 +54,7 @@ MODES = {
         sizes=[1, 64],
         repeats=5,
         memmap_rows=1 << 22,  # LM1B's ~0.8B tokens make millions of rows: a 1 GiB memmap
-        timeout=180,  # seconds: the tests' share of the 8 minutes
+        timeout=180,  # seconds for the tests
     ),
     "dry": dict(
         device="cpu",
@@ -194,13 +194,13 @@ def loader_speed(folder, args, cfg, device, n, repeats):
         ids = train_small.batch_rows(0, step, G, n)
         for part in ids.reshape(accum, -1):
             x = rows[part].astype(np.int64)
-            torch.from_numpy(x).to(device)
+            setdiff.upload(torch.from_numpy(x), device)  # as train_step does
 
     def draw_orders(step):
         generator = torch.Generator().manual_seed(step)
         orders = setdiff.sample_order(cfg, G, generator)
         for order in orders.reshape(accum, -1, cfg.seq_len):
-            order.to(device)
+            setdiff.upload(order, device)
 
     out = []
     for name, work in (("rows", fetch_rows), ("orders", draw_orders)):

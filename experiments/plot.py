@@ -218,6 +218,7 @@ def print_tables(bands, found):
 def draw_training(plt, bands):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, band in bands.items():
+        band = dict(sorted(band.items()))  # by training tokens
         tokens = list(band)
         stats = [mean_std(seeds) for seeds in band.values()]
         mean, std = np.array(stats).T
@@ -359,7 +360,7 @@ def main(paths):
             elif path.suffix == ".json":
                 data = json.loads(path.read_text())
                 kind = KINDS[next(k for k in KINDS if k in data)]
-                run = path.stem.removeprefix(f"{kind}-").removeprefix("infill-gen-")
+                run = path.stem.removeprefix("infill-gen-").removeprefix(f"{kind}-")
                 found[kind][run] = data
             else:  # a run's metrics.jsonl, or a copy of it named for the run
                 name = path.parent.name if path.name == "metrics.jsonl" else path.stem
