@@ -144,7 +144,7 @@ def frontier_tables(frontier):
     settings = by_setting(frontier, "samples")
     lines = []
     for (model, w, tau), rows in settings.items():
-        cells = seed_cells(rows, keys)
+        cells = seed_cells(rows, keys, 3)
         lines.append([model, w, tau or ">1", *cells])
     table(["model", "window", "threshold", *keys], lines)
     reach = {}  # "model, w=W" -> [{quality: tokens per call} of each seed]
