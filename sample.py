@@ -75,6 +75,8 @@ def build_parser() -> Parser:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help=penalty)
     p.add_argument("--seed", type=int, default=0, help="seed of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
+    compiled = "torch.compile every call after the first (a CUDA graph on a GPU): same tokens"
+    p.add_argument("--compile", action="store_true", help=compiled)
     p.add_argument("--show-order", action="store_true", help="mark what call N revealed: [text]N")
     p.add_argument("--num-orders", type=at_least(1), default=1, help="--eval: orders a row (1)")
     p.add_argument("--eval-rows", type=at_least(0), default=0, help="--eval: first rows (0: all)")
@@ -152,7 +154,7 @@ def sample(args, model, tok: Tokenizer):
     """Draw --num-samples samples in batches of --batch-size rows (bounded memory, whatever
     the number), each printed as soon as its batch is done, with its speed."""
     flags = ["window", "threshold", "temperature", "top_p", "repetition_penalty"]
-    flags += ["max_new_tokens", "stop_at_eos"]
+    flags += ["max_new_tokens", "stop_at_eos", "compile"]
     options = {name: getattr(args, name) for name in flags}  # generate() checks them
     # generate() puts BOS first where the model has one (without BOS, as GPT-2/OWT,
     # unconditional samples start from EOS)

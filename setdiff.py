@@ -591,14 +591,14 @@ def window_queries(masked, window, block_size):
     return active & (pos < block_end)
 
 
-def draw_candidates(logits, temperature, top_p, generator=None):
+def draw_candidates(logits, temperature, top_p, u=None):
     """A candidate and its confidence per query: logits (B, n, V) -> (cand, conf) (B, n).
 
     Confidence is the probability of the drawn token under the distribution it was drawn
     from (temperature-scaled, top-p truncated and renormalised). Greedy takes the most
-    probable token, its confidence from the plain softmax's nucleus, renormalised as the
-    authors do. Draws invert the CDF with uniforms from a CPU generator: independent of the
-    device."""
+    probable token (the first, by id, of tied ones), its confidence from the plain softmax's
+    nucleus, renormalised as the authors do. A draw inverts the CDF, in id order, at the
+    uniforms u (B, n) (float64, drawn by the caller: the same tokens on every device)."""
     device = logits.device  # MPS has no float64; float64 stays float64 (tests)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     work = "cpu" if device.type == "mps" else device
@@ -606,27 +606,25 @@ def draw_candidates(logits, temperature, top_p, generator=None):
     # subtract the max BEFORE dividing: a tiny temperature then gives a one-hot, not inf - inf
     top = logits.max(-1, keepdim=True).values
     scale = temperature if temperature > 0 else 1.0
-    probs = F.softmax((logits - top) / scale, -1)
-    # stable: tied tokens keep id order, so greedy takes the first most probable, as argmax
-    p_sorted, vocab_idx = probs.sort(dim=-1, descending=True, stable=True)  # (B, n, V)
-    if top_p < 1:  # the smallest set of tokens with mass >= p
+    probs = F.softmax((logits - top) / scale, -1)  # (B, n, V)
+    if top_p < 1:  # the smallest set of tokens with mass >= p: the only sort
+        p_sorted, vocab_idx = probs.sort(dim=-1, descending=True, stable=True)
         before = p_sorted.cumsum(-1) - p_sorted
-        p_sorted = p_sorted * (before < top_p)
-        p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
-    if temperature == 0:  # greedy: the first of the sorted tokens
-        return vocab_idx[..., 0].to(device), p_sorted[..., 0].to(device)
-    # NOTE: the CDF is inverted in float64: in float32 a u just below the total mass can round
-    # up to it, and the search would land on a zero-probability token such as MASK.
-    cdf = p_sorted.double().cumsum(-1)
-    shape = cdf.shape[:-1]  # (B, n)
-    u = torch.rand(shape, generator=generator, dtype=torch.float64)
-    u = upload(u, cdf.device) * cdf[..., -1]
-    u = u[..., None]
-    j = torch.searchsorted(cdf, u, right=True)  # (B, n, 1): the first cdf > u
-    j = j.clamp(max=cdf.shape[-1] - 1)  # NaN logits (a diverged model): generate refuses them
-    cand = vocab_idx.gather(-1, j).to(device)
-    conf = p_sorted.gather(-1, j).to(device)
-    return cand[..., 0], conf[..., 0]
+        nucleus = torch.zeros_like(probs, dtype=torch.bool)
+        nucleus.scatter_(-1, vocab_idx, before < top_p)
+        probs = probs * nucleus
+        probs = probs / probs.sum(-1, keepdim=True)
+    if temperature == 0:  # greedy: argmax returns the first of tied tokens
+        cand = probs.argmax(-1, keepdim=True)
+    else:
+        # NOTE: the CDF is inverted in float64: in float32 a u just below the total mass can
+        # round up to it, and the search would land on a zero-probability token such as MASK.
+        cdf = probs.double().cumsum(-1)
+        u = u.to(work)[..., None] * cdf[..., -1:]
+        cand = torch.searchsorted(cdf, u, right=True)  # (B, n, 1): the first cdf > u
+        cand = cand.clamp(max=cdf.shape[-1] - 1)  # NaN logits: generate refuses them
+    conf = probs.gather(-1, cand)
+    return cand[..., 0].to(device), conf[..., 0].to(device)
 
 
 def penalize_repeats(logits, x, seen, penalty):
@@ -861,79 +859,136 @@ def generate(
     generator=None,
     use_cache=True,
     stop_at_eos=False,
+    compile=False,
 ):
     """The set sampler, batched (each row has its own window and progress): `prompt` (T,) or
     (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
     sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
     call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
-    default). `use_cache=False` runs the cache-free reference step. -> a Generation."""
+    default). `use_cache=False` runs the cache-free reference step; `compile=True` runs every
+    call after the first as one torch.compile'd function (a CUDA graph on a GPU), with the same
+    tokens as without. -> a Generation."""
     cfg = model.cfg
     device = next(model.parameters()).device
     w = sampler_window(
         cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
     )
+    require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
     B, T = x.shape
     start = time.perf_counter()
-    reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
-    pending = x != cfg.mask_id  # revealed, not cached yet: the context, at the first call
-    done = pending.all(1)
-    row_calls = torch.zeros(B, dtype=torch.long, device=device)
-    # a call feeds <= max(P, w) new tokens (the P given ones first, then a set) + <= w queries
-    P = int(pending.sum(1).max())
-    max_call = max(P, w) + w
-    cache = KVCache(cfg, B, T, max_call, device) if use_cache else None
-    first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
-    block_size = cfg.set_size if cfg.order == "block" else None
+    m = min(w, T)  # queries a call: fixed, so that no call reads a count from the device
+    uniforms = None
+    if temperature > 0:  # all of the run's draws at once: at most T calls of B x m
+        u = torch.rand(T, B, m, generator=generator, dtype=torch.float64)
+        uniforms = upload(u, "cpu" if device.type == "mps" else device)
+    run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
+    run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
+    run.stop_at_eos = stop_at_eos
+    # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
+    P = int(run.pending.sum(1).max())
+    if use_cache:
+        run.cache = KVCache(cfg, B, T, max(P, w) + m, device)
     was_training = model.training
     model.eval()  # dropout off; restored below
-    n_new = P  # tokens a call feeds: the P given ones at the first call, then a set (<= w)
-    n_query = min(w, T)  # fixed sizes: no call reads a count from the device
-    diverged = torch.zeros((), dtype=torch.bool, device=device)
-    calls = 0
-    while some_row_left(done, diverged):
-        # 1. the window of each unfinished row
-        masked = (x == cfg.mask_id) & ~done[:, None]
-        queries = gather_sets(window_queries(masked, w, block_size), n=n_query)
-        # 2. one network call (cached: it also writes the last call's set into the cache)
-        if use_cache:
-            new = gather_sets(pending, n=n_new)
-        else:  # the cache-free step: every revealed token, in decode order (call, position)
-            new = gather_sets(reveal_call >= GIVEN, key=reveal_call)
-        logits = predict(model, x, new, queries, cache)
-        diverged |= logits.isnan().any()
-        if repetition_penalty != 1:
-            seen = (reveal_call >= first_seen) & ~padding(cfg, x)
-            logits = penalize_repeats(logits, x, seen, repetition_penalty)
-        # 3. a candidate per query; 4. the commit rule picks this call's set
-        cand, conf = draw_candidates(logits, temperature, top_p, generator)  # (B, m)
-        q_idx, q_valid = queries
-        reveal = commit_rule(conf, q_valid, threshold)  # (B, m)
-        write_where(x, q_idx, reveal, cand)
-        write_where(reveal_call, q_idx, reveal, calls)
-        n_new = n_query
-        pending = reveal_call == calls  # this call's set: the next call caches it
-        row_calls += ~done
-        calls += 1
-        done |= (x != cfg.mask_id).all(1)
-        if stop_at_eos:
-            done |= stop_at_first_eos(cfg, x, reveal_call)
-    model.train(was_training)
+    n = next_call(sampler_call(model, run, P))
+    step = compiled_call() if compile else sampler_call
+    try:
+        while n:  # n: the set size of the last call, the new tokens of the next
+            n = next_call(step(model, run, n))
+    except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
+        why = str(e).split("\n")[0]
+        raise ValueError(f"--compile: torch.compile fails here ({why}): run without it") from None
+    finally:
+        model.train(was_training)
     synchronize(device)
     seconds = time.perf_counter() - start
     with torch.inference_mode(False):  # plain tensors out: they may feed a training forward
-        tokens = x.clone()
-        reveal_call = reveal_call.clone()
-        row_calls = row_calls.cpu().clone()
-    return Generation(tokens, reveal_call, calls, row_calls, seconds)
+        tokens = run.x.clone()
+        reveal_call = run.reveal_call.clone()
+        row_calls = run.row_calls.cpu().clone()
+    return Generation(tokens, reveal_call, int(run.call), row_calls, seconds)
 
 
-def some_row_left(done, diverged) -> bool:
-    """A sampler call's one read of the device: whether a row is not done. NaN outputs (weights
-    that diverged) are refused here, a call late, not by a read of their own."""
-    finished, nan = torch.stack([done.all(), diverged]).tolist()
+class SamplerRun:
+    """The settings and tensors of one generate() run. Every call updates the tensors in place:
+    at fixed addresses, a compiled call is one CUDA graph replayed."""
+
+    def __init__(self, cfg, x, w, m, threshold, temperature, top_p, penalty, uniforms):
+        self.x = x  # (B, T) the canvas: MASK where not revealed yet
+        self.w = w  # the window
+        self.m = m  # queries a call
+        self.block_size = cfg.set_size if cfg.order == "block" else None
+        self.threshold = threshold  # tau
+        self.temperature = temperature
+        self.top_p = top_p
+        self.penalty = penalty
+        self.uniforms = uniforms  # (T, B, m) call c draws with uniforms[c]; None: greedy
+        self.first_seen = 0
+        self.stop_at_eos = False
+        self.cache = None  # a KVCache, or None for the cache-free step
+        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
+        self.pending = x != cfg.mask_id  # revealed, not cached yet: the context, at first
+        self.done = self.pending.all(1)  # (B,)
+        self.row_calls = torch.zeros_like(self.done, dtype=torch.long)  # (B,)
+        self.call = torch.zeros(1, dtype=torch.long, device=x.device)  # calls so far
+        self.diverged = torch.zeros(1, dtype=torch.bool, device=x.device)
+
+
+def sampler_call(model, run, n):
+    """One step of the set sampler, feeding n new tokens -> what the host reads after it:
+    (every row done, an output NaN, the most tokens a row revealed)."""
+    cfg = model.cfg
+    x = run.x
+    # 1. the window of each unfinished row
+    masked = (x == cfg.mask_id) & ~run.done[:, None]
+    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
+    # 2. one network call (cached: it also writes the last call's set into the cache)
+    if run.cache is not None:
+        new = gather_sets(run.pending, n=n)
+    else:  # the cache-free step: every revealed token, in decode order (call, position)
+        new = gather_sets(run.reveal_call >= GIVEN, key=run.reveal_call)
+    logits = predict(model, x, new, queries, run.cache)
+    run.diverged |= logits.isnan().any()
+    if run.penalty != 1:
+        seen = (run.reveal_call >= run.first_seen) & ~padding(cfg, x)
+        logits = penalize_repeats(logits, x, seen, run.penalty)
+    # 3. a candidate per query; 4. the commit rule picks this call's set
+    u = None
+    if run.uniforms is not None:
+        u = run.uniforms[run.call][0]  # (B, m); a tensor index: no host read
+    cand, conf = draw_candidates(logits, run.temperature, run.top_p, u)  # (B, m)
+    q_idx, q_valid = queries
+    reveal = commit_rule(conf, q_valid, run.threshold)  # (B, m)
+    write_where(x, q_idx, reveal, cand)
+    write_where(run.reveal_call, q_idx, reveal, run.call)
+    run.pending.copy_(run.reveal_call == run.call)  # this call's set: the next call caches it
+    run.row_calls += ~run.done
+    run.call += 1
+    run.done |= (x != cfg.mask_id).all(1)
+    if run.stop_at_eos:
+        run.done |= stop_at_first_eos(cfg, x, run.reveal_call)
+    set_size = reveal.sum(1).max()
+    return torch.stack([run.done.all(), run.diverged[0], set_size])
+
+
+def next_call(read) -> int:
+    """A sampler call's one read of the device -> the next call's n new tokens (the last call's
+    set size), 0 when every row is done. NaN outputs (weights that diverged) are refused here,
+    a call late, not by a read of their own."""
+    finished, nan, set_size = read.tolist()
     require(not nan, "the model's outputs are NaN: its weights diverged")
-    return not finished
+    return 0 if finished else set_size
+
+
+@functools.cache
+def compiled_call():
+    """sampler_call compiled whole (no graph breaks), one capture per set size n <= w: static
+    shapes, so "reduce-overhead" replays each as a CUDA graph. NOTE: dynamo's default of 8
+    compiles per function would fall back to eager beyond w = 7, so it is raised."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
+    return torch.compile(sampler_call, **options)
 
 
 def write_where(t, idx, chosen, values):

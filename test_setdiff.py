@@ -30,6 +30,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -753,7 +754,8 @@ DRAWS = {  # temperature, top-p -> draw frequencies, confidence of each token
 
 def draws(temperature, top_p):
     logits = P4.log().expand(1, 20000, 4)
-    return setdiff.draw_candidates(logits, temperature, top_p, gen(0))
+    u = torch.rand(1, 20000, generator=gen(0), dtype=torch.float64)
+    return setdiff.draw_candidates(logits, temperature, top_p, u)
 
 
 @table("temperature,top_p,freq,conf", DRAWS)
@@ -783,19 +785,19 @@ def almost_one(shape, **kw):
         "top-p-0.9": 0.9,  # the truncated one
     },
 )
-def test_a_draw_never_rounds_up_onto_mask(top_p, monkeypatch):
-    """u just below the total mass must not land on MASK, the last of the sorted distribution."""
+def test_a_draw_never_rounds_up_onto_mask(top_p):
+    """u just below the total mass must not land on MASK, the last id."""
     logits = torch.randn(2, 3, 260, generator=gen(0))
     logits[..., 259] = -math.inf
-    monkeypatch.setattr(torch, "rand", almost_one)
-    cand, conf = setdiff.draw_candidates(logits, 1.0, top_p)
+    cand, conf = setdiff.draw_candidates(logits, 1.0, top_p, almost_one((2, 3)))
     assert not (cand == 259).any()
     assert torch.all(conf > 0)
 
 
 def test_a_tiny_temperature_is_greedy():
     logits = torch.randn(2, 3, 260, generator=gen(0))
-    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0)
+    u = torch.rand(2, 3, generator=gen(1), dtype=torch.float64)
+    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0, u)
     assert torch.equal(cand, logits.argmax(-1))
     assert torch.all(conf == 1)
 
@@ -1111,6 +1113,26 @@ def test_every_call_reveals_a_token_in_every_row():
         assert {c for c in row if c >= 0} == set(range(n))
 
 
+# torch.compile with inductor costs 15-30 s a capture on a CPU: two cases (three captures)
+# cover greedy and sampled, prompt and infill, one row and three, sets of one and of two.
+COMPILED = {  # temperature, start, rows, window, tau
+    "greedy-prompt-batch-1": (0.0, "prompt", 1, 3, math.inf),
+    "sampled-infill-batch-3-w2-tau-0.3": (1.0, "infill", 3, 2, 0.3),
+}
+
+
+@table("temperature,start,rows,window,threshold", COMPILED)
+def test_a_compiled_sampler_draws_the_eager_tokens(temperature, start, rows, window, threshold):
+    model = tiny_model()
+    inputs, _, _ = start_rows(model.cfg, start)
+    inputs = {k: v[:rows] for k, v in inputs.items()}
+    kw = dict(window=window, threshold=threshold, temperature=temperature)
+    eager = generate(model, **inputs, **kw, generator=gen(3))
+    compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert torch.equal(compiled.reveal_call, eager.reveal_call)
+
+
 def test_the_cache_has_slots_for_the_longest_call_only(monkeypatch):
     """Window 2, L = 24: the first call feeds the P = 17 given tokens (BOS + prompt) and 2
     queries, a later one at most 2 + 2: max(P, w) + w slots beside the L positions."""
@@ -1171,6 +1193,7 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
         "penalty-0": (dict(repetition_penalty=0.0), "--repetition-penalty must be > 0"),
         "rows-for-batch": (dict(prompt=[[1, 1]] * 3, batch_size=2), "--batch-size"),
         "bos-in-some-rows": (dict(prompt=[[257, 5], [5, 5]], batch_size=2), "some rows start"),
+        "compile-cache-free": (dict(compile=True, use_cache=False), "use_cache=True"),
     },
 )
 def test_generate_rejects_a_bad_argument(kw, match):
@@ -3716,6 +3739,15 @@ def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys
     assert "--eval: 0 tokens of text fill no row" in capsys.readouterr().err
 
 
+def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
+    argv = ["--ckpt", ckpts / "st.pt", "--compile", "--max-new-tokens", 3]
+    with torch._inductor.config.patch({"cpp.cxx": ("/no/such/c++",)}):
+        code, _, err = run_sample(capsys, *argv)
+    assert code == 2
+    assert err.startswith("error: --compile: torch.compile fails here (InvalidCxxCompiler")
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @table(
     "argv,message",
     {  # arguments ({d}: the checkpoint folder, {st}: a good checkpoint) -> what stderr says
@@ -3773,6 +3805,15 @@ def test_plain_decoder_takes_the_argmax_of_one_causal_forward_a_token():
     assert torch.equal(plain.tokens[:, :3], prompt)
     assert torch.equal(greedy[:, 2:], plain.tokens[:, 3:])
     assert plain.tokens[:, 3:].unique().numel() > 3
+
+
+def test_a_compiled_plain_decoder_draws_the_eager_tokens():
+    model = tiny_model()
+    prompt = torch.tensor([[1, 2], [3, 4]])
+    eager = bench.plain_decoder(model, prompt, 22, temperature=1.0, generator=gen(3))
+    kw = dict(temperature=1.0, generator=gen(3), compile=True)
+    compiled = bench.plain_decoder(model, prompt, 22, **kw)
+    assert torch.equal(compiled.tokens, eager.tokens)
 
 
 def test_plain_decoder_counts_one_call_a_token():

@@ -6,6 +6,7 @@ batch size, greedy with and without the cache, then every threshold with the win
 
 import argparse
 import copy
+import functools
 import shlex
 import statistics
 import sys
@@ -38,30 +39,28 @@ def causal_mask(cache, n):
 
 
 @torch.inference_mode()
-def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None):
+def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None, **kw):
     """The peer a user would pick instead: a causal decoder with a KV cache on the same network
-    and cache, the prompt (B, P) in one causal call, then one token a call. For timing only:
-    a set model predicts from MASK queries, not from the last token."""
+    and cache, the prompt (B, P) in one causal call, then one token a call (`compile=True`:
+    compiled as generate() compiles its calls). For timing only: a set model predicts from
+    MASK queries, not from the last token."""
     device = next(model.parameters()).device
     B, P = prompt.shape
     start = time.perf_counter()
     T = P + new_tokens
     cache = setdiff.KVCache(model.cfg, B, T, max_call=P + 1, device=device)  # a spare slot
-    prompt = prompt.to(device)
-    tokens = prompt  # the first call: the prompt
-    positions = torch.arange(P, device=device)
-    positions = positions.expand(B, P)
-    new = []
-    for _ in range(new_tokens):  # the token at position p is stored at slot p
-        attn = causal_mask(cache, tokens.shape[1])
-        logits = model(tokens, positions, attn, cache, queries=1)  # (B, 1, V): the last token's
-        cache.store(positions, positions >= 0)  # every token of the call
-        tokens, _ = setdiff.draw_candidates(logits, temperature, top_p, generator)  # (B, 1)
-        positions = positions[:, -1:] + 1
-        new.append(tokens)
+    rows = torch.cat([prompt, torch.zeros(B, new_tokens, dtype=torch.long)], 1).to(device)
+    u = torch.rand(T, B, 1, generator=generator, dtype=torch.float64)  # drawn as generate's
+    u = setdiff.upload(u, device)
+    sampling = (temperature, top_p)
+    last = torch.full((B, 1), P - 1, device=device)  # the position of the call's last token
+    positions = torch.arange(P, device=device).expand(B, P)
+    plain_call(model, rows, cache, last, u, sampling, positions)  # the first call: the prompt
+    step = compiled_plain_call() if kw.get("compile") else plain_call
+    for _ in range(new_tokens - 1):  # the token at position p is stored at slot p
+        step(model, rows, cache, last, u, sampling)
     setdiff.synchronize(device)
     seconds = time.perf_counter() - start
-    rows = torch.cat([prompt, *new], 1)  # (B, T)
     calls = torch.arange(-P, new_tokens)  # call c reveals token P + c; the prompt is given
     calls = calls.clamp(min=setdiff.GIVEN)
     reveal_call = calls.expand(B, -1)
@@ -69,19 +68,42 @@ def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generat
     return setdiff.Generation(rows, reveal_call, new_tokens, row_calls, seconds)
 
 
-def variants(cfg, sampling):
-    """Sampler name -> generate() options; the first two are greedy, with and without cache."""
+def plain_call(model, rows, cache, last, u, sampling, positions=None):
+    """One causal call of the tokens of rows (B, T) at `positions` (B, n) (None: at `last`),
+    the last at `last` (B, 1): the token after it is drawn and written, and `last` moves on."""
+    if positions is None:
+        positions = last
+    tokens = rows.gather(1, positions)
+    attn = causal_mask(cache, tokens.shape[1])
+    logits = model(tokens, positions, attn, cache, queries=1)  # (B, 1, V): the last token's
+    cache.store(positions, positions >= 0)  # every token of the call
+    draws = u[last[0]][0]  # (B, 1); a tensor index: no host read
+    token, _ = setdiff.draw_candidates(logits, *sampling, draws)  # (B, 1)
+    last += 1
+    rows.scatter_(1, last, token)
+
+
+@functools.cache
+def compiled_plain_call():
+    """plain_call compiled as setdiff.compiled_call compiles the set sampler's call."""
+    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
+    return torch.compile(plain_call, **options)
+
+
+def variants(cfg, sampling, compile=False):
+    """Sampler name -> generate() options; the first two are greedy, with and without cache
+    (never compiled: compile=True compiles the cached sampler)."""
     largest = setdiff.max_window(cfg)
     w4 = min(4, largest)
     greedy = dict(window=w4, temperature=0)
-    out = {f"cached, w={w4}": greedy}
+    out = {f"cached, w={w4}": greedy | dict(compile=compile)}
     out[f"cache-free, w={w4}"] = greedy | dict(use_cache=False)
     d = setdiff.default_window(cfg)
     windows = {"d": d, "s": largest}
     for label, w in windows.items():
         for tau in THRESHOLDS:
             name = f"w={label}={w}, tau={tau:g}"
-            out[name] = dict(window=w, threshold=tau, **sampling)
+            out[name] = dict(window=w, threshold=tau, compile=compile, **sampling)
     return out
 
 
@@ -116,9 +138,10 @@ def sample(model, name, B, samplers, plain):
 
 
 def timed_rounds(model, samplers, sizes, repeats, plain):
-    """(sampler, batch size) -> (tokens per call, tokens/s of the median run, slowest/fastest).
-    Round 0 only warms up (allocation, kernel choice); a burst of load from elsewhere then
-    slows one run of every sampler a little, and the median discards it."""
+    """(sampler, batch size) -> (tokens per call, tokens/s of the median run, slowest/fastest,
+    seconds the warm-up run took beyond the median: compiling, where compiled). Round 0 only
+    warms up (allocation, kernel choice); a burst of load from elsewhere then slows one run of
+    every sampler a little, and the median discards it."""
     names = [PLAIN, *samplers]
     keys = [(name, B) for B in sizes for name in names]
     seconds = {key: [] for key in keys}
@@ -138,9 +161,10 @@ def timed_rounds(model, samplers, sizes, repeats, plain):
         timed = runs[1:]  # after the warm-up
         out = last[key]
         new_tokens = int(out.new_tokens.sum())
-        speed = new_tokens / statistics.median(timed)
+        median = statistics.median(timed)
         spread = max(timed) / min(timed)
-        timings[key] = (out.tokens_per_call, speed, spread)
+        warmup = runs[0] - median
+        timings[key] = (out.tokens_per_call, new_tokens / median, spread, warmup)
     return timings
 
 
@@ -193,7 +217,7 @@ def print_table(samplers, sizes, timings):
     print("|---" * columns + "|")
     for name in [PLAIN, *samplers]:
         row = [timings[name, B] for B in sizes]
-        cells = [f"{tpc:.2f} | {speed:,.0f}" for tpc, speed, _ in row]
+        cells = [f"{tpc:.2f} | {speed:,.0f}" for tpc, speed, *_ in row]
         ratio = row[-1][1] / row[0][1]
         print(f"| {name} | {' | '.join(cells)} | {ratio:.2f}x |")
 
@@ -210,10 +234,11 @@ def bench(args, command):
     cfg = model.cfg
     sampling = dict(temperature=args.temperature, top_p=args.top_p)  # of the plain and tau rows
     setdiff.sampler_window(cfg, None, 1.0, **sampling)  # checked before the plain decoder
-    samplers = variants(cfg, sampling)
+    samplers = variants(cfg, sampling, args.compile)
     print(f"{len(samplers) + 1} samplers x batch sizes {sizes}: a warm-up + {args.repeats} rounds")
     with setdiff.autocast(device, dtype):
-        timings = timed_rounds(model, samplers, sizes, repeats, sampling)
+        plain = sampling | dict(compile=args.compile)
+        timings = timed_rounds(model, samplers, sizes, repeats, plain)
     greedy = next(iter(samplers.values()))
     exact = cache_is_exact(model, sizes[-1], greedy["window"])
     note = f"temperature {args.temperature:g}, top-p {args.top_p:g}"
@@ -241,6 +266,7 @@ def main(argv=None):
     add("--device", help="cpu, cuda, cuda:N or mps (default: the first of cuda, mps, cpu)")
     add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast (auto)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
+    add("--compile", action="store_true", help="torch.compile the plain and the cached calls")
     args = p.parse_args(argv)
     command = shlex.join(["python", "experiments/bench.py", *argv])
     try:

@@ -1,7 +1,8 @@
 """The first minutes on a GPU, measured rather than debugged: the CUDA tests; train_small's own
 training step of --preset lm1b, eager and compiled (seconds, tokens/s, peak memory, MFU); the row
 loader against a 0.2 s step; the sampler on the 132M network beside a plain KV-cached causal
-decoder; the cache's exactness on CUDA. Sized for minutes on an H100-class GPU. One table; the
+decoder, eager and compiled (tokens/s, share of the memory-bandwidth bound, compile seconds);
+the cache's exactness on CUDA. Sized for minutes on an H100-class GPU. One table; the
 rows go to --json after every part, so that a run cut short keeps what it measured, and a part
 that fails becomes an error row while the others still run. --dry-run: every part on the CPU
 with tiny shapes, a check of this script (its numbers measure nothing).
@@ -42,6 +43,7 @@ STEP = 0.2  # seconds: the loader's yardstick, an lm1b step at about 40% MFU on 
 WINDOW = 4  # the sampler's w: d of the lm1b preset
 # dense bf16 FLOP/s by a name inside the device's; the first match wins (H100 PCIe before H100)
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+HBM_BYTES = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # per second
 # What differs between the GPU run and --dry-run; `flags` go to train_small after
 # --preset lm1b --device DEVICE.
 MODES = {
@@ -92,10 +94,11 @@ def device_name(device) -> str:
     return "cpu"
 
 
-def peak_flops(name: str) -> float:
-    for key, flops in PEAK_BF16.items():
+def peak_flops(name: str, table=PEAK_BF16) -> float:
+    """The device's entry in `table` (FLOP/s, or HBM_BYTES's bytes/s); NaN where unknown."""
+    for key, peak in table.items():
         if key in name:
-            return flops
+            return peak
     return math.nan  # an unknown device: no MFU
 
 
@@ -222,21 +225,37 @@ def sampler_model(cfg, device):
     return model.eval()
 
 
-def sampler_speed(cfg, device, dtype, sizes, repeats) -> list:
+def sampler_speed(cfg, device, dtype, sizes, repeats, compile) -> list:
     """Full rows at each batch size, one token a call and tau = 0.1, beside bench.py's plain
-    decoder: bench's own interleaved rounds (a warm-up, then the median of `repeats`)."""
+    decoder, eager or compiled: bench's own interleaved rounds (a warm-up, then the median of
+    `repeats`), each with its share of the memory-bandwidth bound."""
     model = sampler_model(cfg, device)
     samplers = {}
     for tau in (math.inf, 0.1):
-        samplers[f"w={WINDOW}, tau={tau:g}"] = dict(window=WINDOW, threshold=tau)
-    plain = dict(temperature=1.0, top_p=1.0)  # generate's defaults
+        options = dict(window=WINDOW, threshold=tau, compile=compile)
+        samplers[f"w={WINDOW}, tau={tau:g}"] = options
+    plain = dict(temperature=1.0, top_p=1.0, compile=compile)  # generate's defaults
     with setdiff.autocast(device, dtype):
         timings = bench.timed_rounds(model, samplers, sizes, repeats, plain)
+    how = "compiled" if compile else "eager"
+    hbm = peak_flops(device_name(device), HBM_BYTES)
     rows = []
-    for (name, B), (per_call, speed, spread) in timings.items():
-        row = dict(part="sampler", variant=f"{name}, batch {B}", tokens_per_s=speed)
-        rows.append(row | dict(tokens_per_call=per_call, spread=spread))
+    for (name, B), (per_call, speed, spread, warmup) in timings.items():
+        call_bytes = bytes_a_call(model, B, dtype)
+        bound = B * per_call * hbm / call_bytes  # tokens/s if a call took its reads' time
+        row = dict(part="sampler", variant=f"{how} {name}, batch {B}", tokens_per_s=speed)
+        row |= dict(of_bandwidth_bound=speed / bound, tokens_per_call=per_call)
+        rows.append(row | dict(spread=spread, compile_s=warmup if compile else 0.0))
     return rows
+
+
+def bytes_a_call(model, batch_size, dtype) -> int:
+    """The bytes a sampler call reads at the least: every weight once and the KV cache over its
+    L slots (keys and values, every layer), at the compute dtype's size."""
+    cfg = model.cfg
+    size = torch.finfo(dtype).bits // 8
+    cache = 2 * cfg.n_layer * batch_size * cfg.seq_len * cfg.d_model
+    return (model.num_params() + cache) * size
 
 
 def cache_exact(cfg, device, batch_size) -> list:
@@ -300,7 +319,8 @@ def measure(folder, mode, json_path, header):
         ("tests", pytest_counts, mode["tests"], mode["timeout"]),
         ("train", train_speed, tuple(flags), None, repeats),
         ("loader", loader_speed, folder, train_args, cfg, device, mode["memmap_rows"], repeats),
-        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats),
+        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, False),
+        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, True),
         ("cache", cache_exact, cfg, device, sizes[-1]),
         ("train", train_speed, tuple(flags), mode["backend"], repeats),
     ]
