@@ -892,7 +892,12 @@ def generate(
     was_training = model.training
     model.eval()  # dropout off; restored below
     n = next_call(sampler_call(model, run, P))
-    step = compiled_call() if compile else sampler_call
+    step = sampler_call
+    if compile:  # at fixed addresses, a CUDA graph updates the run's tensors in place
+        for t in [*vars(run).values(), *vars(run.cache).values()]:
+            if torch.is_tensor(t):
+                torch._dynamo.mark_static_address(t)
+        step = compiled_call()
     try:
         while n:  # n: the set size of the last call, the new tokens of the next
             n = next_call(step(model, run, n))
