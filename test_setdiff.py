@@ -222,6 +222,31 @@ def test_config_checks_only_what_the_policy_uses():
     assert uniform.order == "uniform"
 
 
+def right_to_left(batch_size, generator=None):
+    """A made-up policy's reveal times for L = 24: the later a position, the earlier revealed."""
+    return torch.arange(24.0).expand(batch_size, -1)
+
+
+@table(
+    "says",
+    {  # a made-up policy "r2l" that says one half only
+        "no-window": dict(reveal_times=right_to_left, set_size=1, block_size=None),
+        "no-order": dict(max_window=1, set_size=1, block_size=None),
+    },
+)
+def test_a_policy_that_does_not_say_both_halves_is_refused(monkeypatch, says):
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", lambda cfg: setdiff.OrderPolicy(**says))
+    with pytest.raises(TypeError, match="missing 1 required"):
+        tiny_cfg(order="r2l")
+
+
+def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
+    r2l = setdiff.OrderPolicy(right_to_left, 1, 1, None)
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", lambda cfg: r2l)
+    order = sample_order(tiny_cfg(order="r2l"), 2, gen(0))
+    assert order.tolist() == [[0, *range(23, 0, -1)]] * 2  # position 0 given, then right to left
+
+
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
 PAPER_SCHEDULES = {
     "L128-d4": (128, 4, 0.059259, 0.358090),
