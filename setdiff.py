@@ -467,9 +467,26 @@ def position_logits(model, x, order):
 
 def set_factorized_loss(model, x, order=None, generator=None):
     """Per sequence the mean over non-pad tokens of -log p(x[sigma_i] | x[sigma_<i]), then
-    the batch mean. NOTE: no time variable and no alpha'/(1 - alpha) weights: under the
-    staggered schedule the continuous-time bound integrates exactly to this expectation over
-    orders, so one sampled order is an unbiased one-sample estimate of the negative ELBO."""
+    the batch mean. NOTE: no time variable and no alpha'/(1 - alpha) weights: the continuous-time
+    bound integrates exactly to the expectation of this sum over orders (derived below), so one
+    sampled order is an unbiased one-sample estimate of the negative ELBO.
+
+    Where the sets are: training draws a total order (continuous first hitting times never tie),
+    so each conditional here is one position given all earlier ones. Sets appear in the sampler:
+    one call reveals several window positions, each predicted from the same revealed context and
+    independently of the others, which is the family's prod_{i in sigma_n} p(x_i | x_{sigma_<n})."""
+    # The bound, derived. With a_i(t) = 1 - m_i(t), MDLM's weight -a_i'/(1 - a_i) is m_i'/m_i;
+    # P(i masked at t) = m_i(t) cancels the 1/m_i; the T_i are independent, so the others'
+    # states at t do not depend on T_i, whose density is m_i'(t):
+    #   int_0^1 E_{z_t} sum_{i masked} (m_i'(t) / m_i(t)) (-log p(x_i | revealed at t)) dt
+    #     = sum_i int_0^1 m_i'(t) E[-log p(x_i | revealed at t) | T_i = t] dt
+    #     = E_T sum_i -log p(x_i | x_{j: T_j > T_i})
+    #     = E_sigma sum_n -log p(x[sigma_n] | x[sigma_<n])
+    # The last step holds because the network never sees t: the integrand depends on the T's
+    # only through the order sigma they induce (T descending; given positions are never masked
+    # and come first). "Revealed at t" means the revealed tokens in their reveal order, as the
+    # set-causal clean stream sees them. The loss divides a row's sum by its token count and
+    # adds position 0's slot (predicted from nothing); `elbo` reports the sum, without it.
     cfg = model.cfg
     if order is None:
         pad = padding(cfg, x)  # (B, L)
@@ -478,7 +495,7 @@ def set_factorized_loss(model, x, order=None, generator=None):
     z = z.flatten(0, 1).float()
     nll = F.cross_entropy(z, target.flatten(), reduction="none")
     nll = nll.view_as(target)  # (B, L)
-    scored = ~padding(cfg, target)  # the slot of position 0 too, in training
+    scored = ~padding(cfg, target)  # position 0 too (step 0, predicted from nothing)
     total = (nll * scored).sum(1)
     count = scored.sum(1).clamp(min=1)
     return (total / count).mean()
