@@ -621,9 +621,9 @@ class Generation:
 
 
 def window_queries(masked, window, block_size):
-    """Active queries (B, N) of a canvas of N positions: the window w is the span [f, f + w) of
+    """Active queries, (B, positions) bool as `masked`: the window w is the span [f, f + w) of
     positions from the leftmost masked one f, and a call predicts the masked ones in it; with
-    block edges (block_size, else None) also only those inside f's block."""
+    block edges (block_size, else None) only those inside f's block too."""
     pos = torch.arange(masked.shape[1], device=masked.device)[None, :]
     first_masked = masked.to(torch.uint8)
     f = torch.argmax(first_masked, dim=1, keepdim=True)  # (B, 1)
