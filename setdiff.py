@@ -21,6 +21,7 @@ import os
 import re
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -28,8 +29,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
-
-ORDER_POLICIES = ("staggered", "ar", "uniform", "block")
 
 
 def require(ok, message):
@@ -44,12 +43,13 @@ class Config:
     """Everything needed to rebuild a model; saved in every checkpoint."""
 
     vocab_size: int = 260  # V, special tokens included
-    seq_len: int = 128  # L, tokens per row; position 0 is always given, never predicted
+    seq_len: int = 128  # L, tokens per row; position 0 is given when sampling and in the bound
+    # (the training loss scores its slot too, predicted from nothing)
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads
     d_model: int = 256  # hidden width D
     dropout: float = 0.1  # on the two residual branches of every block
-    order: str = "staggered"  # order policy pi: staggered | ar | uniform | block
+    order: str = "staggered"  # order policy pi, a name in ORDER_POLICIES
     set_size: int = 4  # d, the target set size of the staggered and block policies
     max_set_size: int | None = None  # s, the largest set size (smax); None: min(2d, L)
     mask_id: int = 259  # MASK: the input of every unrevealed position, never predicted
@@ -77,6 +77,7 @@ def check_config(cfg):
         s = cfg.max_set_size
         bounds = f"[d={d}, L={L}]"
         require(d <= s <= L, f"the largest set size s must be in {bounds}, got {s}")
+    order_policy(cfg)  # a policy must say both its training order and its window
     head_dim = cfg.d_model // cfg.n_head
     require(cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head")
     require(head_dim % 2 == 0, "d_model / n_head must be even (rotary pairs)")
@@ -96,7 +97,9 @@ def check_config(cfg):
 # 1 all masked). Position i is masked at its first hitting time T_i in the forward process,
 # so generation (time running 1 -> 0) reveals positions by T DESCENDING. Nearby curves
 # overlap: about d positions are revealed "at once", and a position can overtake only the
-# earlier positions within its reach r.
+# earlier positions within its reach r. Each policy has one home, its entry in ORDER_POLICIES,
+# which must say both the orders training draws and the sampler window they taught (OrderPolicy
+# has no defaults); a name not there is refused, never run as another policy.
 def policy_name(cfg):
     """The policy as tables print it: "staggered d=4, s=8", "block d=4", "ar", "uniform"."""
     if cfg.order == "staggered":
@@ -106,12 +109,26 @@ def policy_name(cfg):
     return cfg.order
 
 
+@dataclass
+class OrderPolicy:
+    """An order policy pi, both halves. Training draws its orders; the sampler never does: its
+    window opens at the leftmost masked position f, and pi reaches it only through max_window
+    and block_size. (A policy not roughly left to right, say right to left, would need another
+    window rule, opened where its orders start; these fields would not describe it.)"""
+
+    reveal_times: Callable  # (B, generator) -> (B, L) float64; the order is time DESCENDING
+    max_window: int  # the largest window w training met: no revealed token lies further from f
+    set_size: int  # d: generation's window by default (infilling takes max_window)
+    block_size: int | None  # block edges: a window stays inside f's block; None: no edges
+
+
 class StaggeredSchedule:
     """m_i(t) = 1 - (1 - u_i)^k for u_i = (t - loc_i) / b in (0, 1); 0 before, 1 after.
 
-    A = d / 2L is the masked area under each curve; loc_i = (1 - b)(L - 1 - i) / (L - 1)
-    gives position 0 the LARGEST offset (masked last, revealed first). d = 1 is the identity
-    (AR) order; d = s = L gives i.i.d. times, a uniform order (masked diffusion)."""
+    A = d / 2L is the area under m_i(t) while it rises, t in [loc_i, loc_i + b): that of a
+    straight ramp of width d / L, block diffusion's ramp over d positions. loc_i = (1 - b)
+    (L - 1 - i) / (L - 1) gives position 0 the LARGEST offset (masked last, revealed first).
+    d = 1 is the identity (AR) order; d = s = L gives i.i.d. times, a uniform order (MDLM)."""
 
     def __init__(self, length, set_size, max_set_size=None):
         L = length
@@ -166,26 +183,39 @@ class StaggeredSchedule:
         return self.loc[None, :] + self.b * rise  # (B, L)
 
 
-def order_schedule(cfg):
-    """AR (d = 1) and uniform (d = s = L) are settings of the staggered schedule."""
-    L = cfg.seq_len
-    if cfg.order == "ar":
-        return StaggeredSchedule(L, 1, 1)
-    if cfg.order == "uniform":
-        return StaggeredSchedule(L, L, L)
-    return StaggeredSchedule(L, cfg.set_size, cfg.max_set_size)
+def schedule_policy(cfg, d, s):
+    """A staggered schedule's policy: its first hitting times; windows up to its reach ceil(r).
+    NOTE: for d = s the reach d (L - 1) / (L - d) is a little more than s, and so is the window."""
+    sched = StaggeredSchedule(cfg.seq_len, d, s)
+    return OrderPolicy(sched.first_hitting_times, sched.ceil_reach, d, None)
 
 
-def decode_times(cfg, batch_size, generator=None):
-    """A reveal time per position (B, L); the decode order is time DESCENDING. Block: blocks
-    of d positions left to right, a uniform order inside each block."""
-    if cfg.order != "block":
-        return order_schedule(cfg).first_hitting_times(batch_size, generator)
-    L = cfg.seq_len
-    i = torch.arange(L, dtype=torch.float64)
-    block = i // cfg.set_size  # (L,)
-    U = torch.rand(batch_size, L, dtype=torch.float64, generator=generator)
-    return (block.max() - block) + U
+def block_policy(cfg):
+    """Block diffusion: blocks of d positions left to right, a uniform order inside each block;
+    windows block-aligned (block edges), at most one block."""
+    d = cfg.set_size
+    block = torch.arange(cfg.seq_len, dtype=torch.float64) // d  # (L,)
+    ahead = block.max() - block  # block 0 the latest times: revealed first
+
+    def reveal_times(batch_size, generator=None):
+        U = torch.rand(batch_size, cfg.seq_len, dtype=torch.float64, generator=generator)
+        return ahead + U  # (B, L)
+
+    return OrderPolicy(reveal_times, d, d, d)
+
+
+ORDER_POLICIES = {  # --order: cfg -> its OrderPolicy. A new policy is one entry here.
+    "staggered": lambda cfg: schedule_policy(cfg, cfg.set_size, cfg.max_set_size),
+    "ar": lambda cfg: schedule_policy(cfg, 1, 1),  # d = s = 1: the identity order
+    "uniform": lambda cfg: schedule_policy(cfg, cfg.seq_len, cfg.seq_len),  # i.i.d. times
+    "block": block_policy,
+}
+
+
+def order_policy(cfg):
+    """cfg.order's OrderPolicy, built for cfg. OrderPolicy has no defaults: an entry that does
+    not say both halves (training order, sampler window) fails here, at Config time."""
+    return ORDER_POLICIES[cfg.order](cfg)
 
 
 def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=None):
@@ -193,11 +223,11 @@ def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=N
     always), then the free ones by reveal time descending, padding (`pad`) last. One stable
     sort: given positions tie at -inf and padding at +inf, so both keep their position order.
     Drawn on the CPU from `generator`: the orders do not depend on the device."""
-    T = decode_times(cfg, batch_size, generator)  # (B, L)
+    times = order_policy(cfg).reveal_times(batch_size, generator)  # (B, L)
     first = torch.arange(cfg.seq_len) == 0  # (L,): position 0 is always given
     if given is not None:
         first = first | given.cpu()  # (B, L)
-    key = torch.where(first, -math.inf, -T)
+    key = torch.where(first, -math.inf, -times)
     if pad is not None:
         key = torch.where(pad.cpu(), math.inf, key)
     order = torch.argsort(key, dim=1, stable=True)
@@ -206,19 +236,16 @@ def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=N
 
 def max_window(cfg):
     """The largest sampler window a policy met in training (larger windows pose unseen
-    queries): block d (block-aligned), else ceil(reach): ar 1, uniform L. NOTE: for d = s
-    the reach d (L - 1) / (L - d) is a little more than s, and so is this window."""
-    if cfg.order == "block":
-        return cfg.set_size
-    return order_schedule(cfg).ceil_reach
+    queries): ar 1, block d, uniform L, staggered ceil(r)."""
+    return order_policy(cfg).max_window
 
 
 def default_window(cfg, infill=False):
-    """The sampler's window w when none is given: d for staggered generation, else the largest
-    (infilling too: holes with context on both sides are easy to fill together)."""
-    if cfg.order == "staggered" and not infill:
-        return cfg.set_size
-    return max_window(cfg)
+    """The sampler's window w when none is given: the set size d for generation (the paper's w
+    = d), the largest for infilling (holes with context on both sides are easy to fill together).
+    d is the largest for ar (1), uniform (L) and block (d) alike."""
+    policy = order_policy(cfg)
+    return policy.max_window if infill else policy.set_size
 
 
 # ---- Set-causal masks: one predicate, many layouts ------------------------------------------
@@ -440,9 +467,26 @@ def position_logits(model, x, order):
 
 def set_factorized_loss(model, x, order=None, generator=None):
     """Per sequence the mean over non-pad tokens of -log p(x[sigma_i] | x[sigma_<i]), then
-    the batch mean. NOTE: no time variable and no alpha'/(1 - alpha) weights: under the
-    staggered schedule the continuous-time bound integrates exactly to this expectation over
-    orders, so one sampled order is an unbiased one-sample estimate of the negative ELBO."""
+    the batch mean. NOTE: no time variable and no alpha'/(1 - alpha) weights: the continuous-time
+    bound integrates exactly to the expectation of this sum over orders (derived below), so one
+    sampled order is an unbiased one-sample estimate of the negative ELBO.
+
+    Where the sets are: training draws a total order (continuous first hitting times never tie),
+    so each conditional here is one position given all earlier ones. Sets appear in the sampler:
+    one call reveals several window positions, each predicted from the same revealed context and
+    independently of the others, which is the family's prod_{i in sigma_n} p(x_i | x_{sigma_<n})."""
+    # The bound, derived. With a_i(t) = 1 - m_i(t), MDLM's weight -a_i'/(1 - a_i) is m_i'/m_i;
+    # P(i masked at t) = m_i(t) cancels the 1/m_i; the T_i are independent, so the others'
+    # states at t do not depend on T_i, whose density is m_i'(t):
+    #   int_0^1 E_{z_t} sum_{i masked} (m_i'(t) / m_i(t)) (-log p(x_i | revealed at t)) dt
+    #     = sum_i int_0^1 m_i'(t) E[-log p(x_i | revealed at t) | T_i = t] dt
+    #     = E_T sum_i -log p(x_i | x_{j: T_j > T_i})
+    #     = E_sigma sum_n -log p(x[sigma_n] | x[sigma_<n])
+    # The last step holds because the network never sees t: the integrand depends on the T's
+    # only through the order sigma they induce (T descending; given positions are never masked
+    # and come first). "Revealed at t" means the revealed tokens in their reveal order, as the
+    # set-causal clean stream sees them. The loss divides a row's sum by its token count and
+    # adds position 0's slot (predicted from nothing); `elbo` reports the sum, without it.
     cfg = model.cfg
     if order is None:
         pad = padding(cfg, x)  # (B, L)
@@ -451,7 +495,7 @@ def set_factorized_loss(model, x, order=None, generator=None):
     z = z.flatten(0, 1).float()
     nll = F.cross_entropy(z, target.flatten(), reduction="none")
     nll = nll.view_as(target)  # (B, L)
-    scored = ~padding(cfg, target)  # the slot of position 0 too, in training
+    scored = ~padding(cfg, target)  # position 0 too (step 0, predicted from nothing)
     total = (nll * scored).sum(1)
     count = scored.sum(1).clamp(min=1)
     return (total / count).mean()
@@ -577,11 +621,10 @@ class Generation:
 
 
 def window_queries(masked, window, block_size):
-    """Active queries (B, T): masked positions in [f, f + w), f the leftmost masked one; for
-    the block policy (block_size d, else None) also inside f's block: its windows are
-    block-aligned."""
-    T = masked.shape[1]
-    pos = torch.arange(T, device=masked.device)[None, :]
+    """Active queries, (B, positions) bool as `masked`: the window w is the span [f, f + w) of
+    positions from the leftmost masked one f, and a call predicts the masked ones in it; with
+    block edges (block_size, else None) only those inside f's block too."""
+    pos = torch.arange(masked.shape[1], device=masked.device)[None, :]
     first_masked = masked.to(torch.uint8)
     f = torch.argmax(first_masked, dim=1, keepdim=True)  # (B, 1)
     active = masked & (pos >= f) & (pos < f + window)

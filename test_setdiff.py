@@ -223,6 +223,35 @@ def test_config_checks_only_what_the_policy_uses():
     assert uniform.order == "uniform"
 
 
+def right_to_left(batch_size, generator=None):
+    """A made-up policy's reveal times for L = 24: the later a position, the earlier revealed."""
+    return torch.arange(24.0).expand(batch_size, -1)
+
+
+@table(
+    "says",
+    {  # a made-up policy "r2l" that says one half only
+        "only-its-order": dict(reveal_times=right_to_left),
+        "only-its-window": dict(max_window=1, set_size=1, block_size=None),
+    },
+)
+def test_a_policy_that_does_not_say_both_halves_is_refused(monkeypatch, says):
+    def r2l(cfg):
+        return setdiff.OrderPolicy(**says)
+
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", r2l)
+    with pytest.raises(TypeError, match="missing"):
+        tiny_cfg(order="r2l")
+
+
+def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
+    r2l = setdiff.OrderPolicy(right_to_left, 1, 1, None)
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", lambda cfg: r2l)
+    order = sample_order(tiny_cfg(order="r2l"), 1, gen(0))
+    want = [0, *range(23, 0, -1)]  # position 0 given, then right to left
+    assert order[0].tolist() == want
+
+
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
 PAPER_SCHEDULES = {
     "L128-d4": (128, 4, 0.059259, 0.358090),
@@ -708,6 +737,59 @@ def test_bound_standard_error_is_that_of_the_pooled_rate():
     resid = (nll - rate * n) / n.mean()
     se = resid.std() / 2  # the sample standard deviation (n - 1) over sqrt(4 rows)
     assert abs(res.se - se) < 1e-6
+
+
+@torch.no_grad()
+def time_integral_bound(model, x, sched, n=4096):
+    """The continuous-time bound of one row x (1, L), position 0 given, integrated over t:
+
+        int_0^1 E_{z_t} sum_{i masked in z_t} (m_i'(t) / m_i(t)) (-log p(x_i | x_0, x_U)) dt,
+
+    U the unmasked positions of z_t (MDLM's weight -a'/(1 - a) per position, a_i = 1 - m_i).
+    P(i masked) = m_i(t) cancels the 1 / m_i; the others are independent, so at t the pair
+    (i, U) weighs m_i'(t) prod_{j in U} (1 - m_j(t)) prod_{j not in U} m_j(t). The time axis
+    is cut into n cells with int m_i' over each exact (m_i' is infinite where k < 1 tops out).
+    With ONE layer a query sees the set U, not its reveal order: the sets U are all it takes."""
+    L = x.shape[1]
+    edges = torch.linspace(0, 1, n + 1, dtype=torch.float64)
+    middles = (edges[1:] + edges[:-1]) / 2
+    m = masking_curves(sched, middles)  # (n, L)
+    hit = masking_curves(sched, edges).diff(dim=0)  # (n, L): int of m_i'(t) over each cell
+    total = 0.0
+    for i in range(1, L):
+        others = [j for j in range(1, L) if j != i]
+        for bits in range(2 ** (L - 2)):
+            U = [j for k, j in enumerate(others) if bits >> k & 1]
+            rest = [j for j in others if j not in U]
+            order = [0, *U, i, *rest]
+            order = torch.tensor([order])
+            scored = torch.arange(L) == i
+            nll = setdiff.order_nll(model, x, order, scored)  # -log p(x_i | x_0, x_U)
+            unmasked = (1 - m[:, U]).prod(1)
+            masked = m[:, rest].prod(1)
+            weight = hit[:, i] * unmasked * masked
+            total += float(nll) * float(weight.sum())
+    return total
+
+
+@table(
+    "kw,sizes",
+    {  # cfg, (L, d, s)
+        "staggered-d2-s4": (dict(set_size=2), (6, 2, 4)),  # k < 1
+        "uniform": (dict(order="uniform"), (6, 6, 6)),  # masked diffusion: m(t) = t, weight 1 / t
+    },
+)
+def test_the_mean_over_sampled_orders_is_the_continuous_time_bound(kw, sizes):
+    """One sampled order is an unbiased estimate of the bound: 10,000 orders within 4 SE."""
+    model = tiny_model(dtype=torch.float64, n_layer=1, seq_len=6, **kw)
+    x = random_rows(model.cfg, 1)  # BOS + 5 scored tokens, no padding
+    N = 10000
+    rows = x.expand(N, -1)
+    res = elbo(model, rows, batch_size=1024, generator=gen(0))
+    sched = setdiff.StaggeredSchedule(*sizes)
+    want = time_integral_bound(model, x, sched)
+    se = res.se * 5  # of a row's NLL: res.se is per token
+    assert abs(res.nll / N - want) < 4 * se
 
 
 def span_bound():
