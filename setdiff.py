@@ -828,7 +828,7 @@ def sampler_window(
     if window is None:
         return default_window(cfg, infill)
     w_max = max_window(cfg)
-    seen = f"the {cfg.order} policy met at most {w_max} queries a call in training"
+    seen = f"the {cfg.order} policy met windows of at most {w_max} positions in training"
     require(1 <= window <= w_max, f"--window must be in [1, {w_max}] ({seen}), got {window}")
     return int(window)
 
@@ -908,9 +908,9 @@ def generate(
     (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
     sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
     call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
-    default). `use_cache=False` runs the cache-free reference step; `compile=True` runs every
-    call after the first as one torch.compile'd function (a CUDA graph on a GPU), with the same
-    tokens as without. -> a Generation."""
+    default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
+    torch.compile backend's name) runs every call after the first as one compiled function (a
+    CUDA graph on a GPU), with the same tokens as without. -> a Generation."""
     cfg = model.cfg
     device = next(model.parameters()).device
     w = sampler_window(
@@ -940,7 +940,7 @@ def generate(
         for t in [*vars(run).values(), *vars(run.cache).values()]:
             if torch.is_tensor(t):
                 torch._dynamo.mark_static_address(t)
-        step = compiled_call()
+        step = compiled(sampler_call, "inductor" if compile is True else compile)
     try:
         while n:  # n: the set size of the last call, the new tokens of the next
             n = next_call(step(model, run, n))
@@ -966,7 +966,7 @@ class SamplerRun:
         self.x = x  # (B, T) the canvas: MASK where not revealed yet
         self.w = w  # the window
         self.m = m  # queries a call
-        self.block_size = cfg.set_size if cfg.order == "block" else None
+        self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
         self.threshold = threshold  # tau
         self.temperature = temperature
         self.top_p = top_p
@@ -1030,13 +1030,14 @@ def next_call(read) -> int:
 
 
 @functools.cache
-def compiled_call():
-    """sampler_call compiled whole (no graph breaks), one capture per set size n <= w: static
-    shapes, so "reduce-overhead" replays each as a CUDA graph. NOTE: dynamo's default of 8
-    compiles per function would fall back to eager beyond w = 7, so it is raised."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+def compiled(function, backend="inductor"):
+    """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
+    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
+    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
     options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
-    return torch.compile(sampler_call, **options)
+    return torch.compile(function, backend=backend, **options)
 
 
 def write_where(t, idx, chosen, values):

@@ -4555,8 +4555,10 @@ def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
     assert [row["variant"] for row in loader] == ["rows", "orders"]
     assert all(0 < row["seconds"] < math.inf for row in loader)
     sampler = gpu_check_rows["sampler"]
-    assert len(sampler) == 3 * 2  # plain, tau > 1, tau 0.1 at batch 1 and 4
+    assert len(sampler) == 2 * 3 * 2  # eager, compiled x plain, tau > 1, tau 0.1 x batch 1, 4
     assert all(row["tokens_per_s"] > 0 for row in sampler)
+    compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
+    assert len(compiled) == 6 and all(row["compile_s"] > 0 for row in compiled)
 
 
 def test_gpu_check_dry_run_finds_the_cache_exact(gpu_check_rows):

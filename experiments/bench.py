@@ -6,7 +6,6 @@ batch size, greedy with and without the cache, then every threshold with the win
 
 import argparse
 import copy
-import functools
 import shlex
 import statistics
 import sys
@@ -41,8 +40,8 @@ def causal_mask(cache, n):
 @torch.inference_mode()
 def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None, **kw):
     """The peer a user would pick instead: a causal decoder with a KV cache on the same network
-    and cache, the prompt (B, P) in one causal call, then one token a call (`compile=True`:
-    compiled as generate() compiles its calls). For timing only: a set model predicts from
+    and cache, the prompt (B, P) in one causal call, then one token a call (`compile`: compiled
+    as generate() compiles its calls). For timing only: a set model predicts from
     MASK queries, not from the last token."""
     device = next(model.parameters()).device
     B, P = prompt.shape
@@ -56,7 +55,10 @@ def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generat
     last = torch.full((B, 1), P - 1, device=device)  # the position of the call's last token
     positions = torch.arange(P, device=device).expand(B, P)
     plain_call(model, rows, cache, last, u, sampling, positions)  # the first call: the prompt
-    step = compiled_plain_call() if kw.get("compile") else plain_call
+    step = plain_call
+    if kw.get("compile"):  # True, or a torch.compile backend's name
+        backend = "inductor" if kw["compile"] is True else kw["compile"]
+        step = setdiff.compiled(plain_call, backend)
     for _ in range(new_tokens - 1):  # the token at position p is stored at slot p
         step(model, rows, cache, last, u, sampling)
     setdiff.synchronize(device)
@@ -81,13 +83,6 @@ def plain_call(model, rows, cache, last, u, sampling, positions=None):
     token, _ = setdiff.draw_candidates(logits, *sampling, draws)  # (B, 1)
     last += 1
     rows.scatter_(1, last, token)
-
-
-@functools.cache
-def compiled_plain_call():
-    """plain_call compiled as setdiff.compiled_call compiles the set sampler's call."""
-    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
-    return torch.compile(plain_call, **options)
 
 
 def variants(cfg, sampling, compile=False):

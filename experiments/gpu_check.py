@@ -225,10 +225,11 @@ def sampler_model(cfg, device):
     return model.eval()
 
 
-def sampler_speed(cfg, device, dtype, sizes, repeats, compile) -> list:
+def sampler_speed(cfg, device, dtype, sizes, repeats, backend) -> list:
     """Full rows at each batch size, one token a call and tau = 0.1, beside bench.py's plain
-    decoder, eager or compiled: bench's own interleaved rounds (a warm-up, then the median of
-    `repeats`), each with its share of the memory-bandwidth bound."""
+    decoder, eager (backend None) or compiled: bench's own interleaved rounds (a warm-up, then
+    the median of `repeats`), each with its share of the memory-bandwidth bound."""
+    compile = backend or False
     model = sampler_model(cfg, device)
     samplers = {}
     for tau in (math.inf, 0.1):
@@ -237,7 +238,7 @@ def sampler_speed(cfg, device, dtype, sizes, repeats, compile) -> list:
     plain = dict(temperature=1.0, top_p=1.0, compile=compile)  # generate's defaults
     with setdiff.autocast(device, dtype):
         timings = bench.timed_rounds(model, samplers, sizes, repeats, plain)
-    how = "compiled" if compile else "eager"
+    how = f"compiled ({backend})" if compile else "eager"
     hbm = peak_flops(device_name(device), HBM_BYTES)
     rows = []
     for (name, B), (per_call, speed, spread, warmup) in timings.items():
@@ -319,8 +320,8 @@ def measure(folder, mode, json_path, header):
         ("tests", pytest_counts, mode["tests"], mode["timeout"]),
         ("train", train_speed, tuple(flags), None, repeats),
         ("loader", loader_speed, folder, train_args, cfg, device, mode["memmap_rows"], repeats),
-        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, False),
-        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, True),
+        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, None),
+        ("sampler", sampler_speed, cfg, device, dtype, sizes, repeats, mode["backend"]),
         ("cache", cache_exact, cfg, device, sizes[-1]),
         ("train", train_speed, tuple(flags), mode["backend"], repeats),
     ]
