@@ -37,6 +37,15 @@ def require(ok, message):
         raise ValueError(message)
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor to `device` without waiting: on a GPU a plain copy from pageable memory
+    waits for all queued GPU work (a host sync), a copy from pinned memory does not."""
+    device = torch.device(device or "cpu")
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # ---- Config ---------------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -274,25 +283,24 @@ def set_causal_mask(L, device=None):
     return set_causal_predicate(*q, *k)
 
 
-def show_mask(mask):
-    """A (2L, 2L) training mask as text; rows are queries, columns keys (c clean, m mask)."""
-    L = mask.shape[0] // 2
-    clean_names = [f"c{i}" for i in range(L)]
-    mask_names = [f"m{i}" for i in range(L)]
-    names = clean_names + mask_names
-    w = max(len(n) for n in names)
-    table = [names]
-    for row in mask.tolist():
-        table.append([str(int(v)) for v in row])
-    cells = []  # per line: the clean half | the mask half
-    for values in table:
-        values = [v.rjust(w) for v in values]
-        clean = " ".join(values[:L])
-        masked = " ".join(values[L:])
-        cells.append(f"{clean} | {masked}")
-    lines = [" " * (w + 2) + cells[0]]  # the header: key names
-    for name, row in zip(names, cells[1:]):
-        lines.append(f"{name.rjust(w)} [{row} ]")
+def show_mask(mask, groups=None):
+    """A mask as text; rows are queries, columns keys, named in `groups` split by |, the rows
+    named as the last keys. Default: the (2L, 2L) training mask (c clean, m mask stream)."""
+    if groups is None:
+        L = mask.shape[0] // 2
+        groups = [[f"c{i}" for i in range(L)], [f"m{i}" for i in range(L)]]
+    keys = sum(groups, [])
+    w = max(len(n) for n in keys)
+
+    def line(cells):  # the cells of a row, group by group
+        cells = iter(cells)
+        spans = [" ".join(next(cells).rjust(w) for _ in g) for g in groups]
+        return " | ".join(spans)
+
+    lines = [" " * (w + 2) + line(keys)]  # the header: key names
+    rows = keys[len(keys) - len(mask) :]
+    for name, row in zip(rows, mask.tolist()):
+        lines.append(f"{name.rjust(w)} [{line(str(int(v)) for v in row)} ]")
     return "\n".join(lines)
 
 
@@ -767,6 +775,38 @@ class KVCache:
         self.filled |= (at & new_valid[..., None]).any(1)
 
 
+def call_mask(filled, new_valid, q_valid):
+    """A call's set-causal mask (B, n+m, C+n+m): its n new tokens and m queries (valid where
+    not padding) against the cache's C slots (those `filled`) and themselves."""
+    C = filled.shape[1]
+    n = new_valid.shape[1]
+    m = q_valid.shape[1]
+    # made on the device: a CPU tensor moved to a GPU would wait for its queued work
+    slot = torch.arange(C + n + m, device=filled.device)
+    # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
+    rank = (slot - C + 1).clamp(0, n + 1)
+    is_mask = slot >= C + n
+    call = slice(C, None)  # this call's n + m tokens are the queries of the mask
+    query = (rank[call, None], is_mask[call, None], slot[call, None])
+    attn = set_causal_predicate(*query, rank, is_mask, slot)  # (n+m, C+n+m)
+    call_ok = torch.cat([new_valid, q_valid], 1)  # (B, n+m)
+    key_ok = torch.cat([filled, call_ok], 1)  # (B, C+n+m)
+    attn = attn & call_ok[:, :, None]
+    return attn & key_ok[:, None, :]
+
+
+def show_call(length, cached, new, queries):
+    """One sampler call's mask as text, for a row of `length` positions: keys are the cache's
+    slots p0.. (filled at the `cached` positions), the `new` tokens n.., then the queries q..;
+    rows the call's tokens. E.g. show_call(6, [0, 1, 2], [3], [4, 5])."""
+    filled = torch.zeros(1, length, dtype=torch.bool)
+    filled[0, cached] = True
+    valid = torch.ones(1, len(new) + len(queries), dtype=torch.bool)
+    mask = call_mask(filled, valid[:, : len(new)], valid[:, len(new) :])
+    cache = [f"p{p}" for p in range(length)]
+    return show_mask(mask[0], [cache, [f"n{p}" for p in new], [f"q{p}" for p in queries]])
+
+
 def predict(model, x, new, queries, cache=None):
     """ONE network call: [n new clean tokens] + [m MASK queries] -> the queries' logits (B, m, V).
 
@@ -785,32 +825,205 @@ def predict(model, x, new, queries, cache=None):
     the cache's exactness."""
     new_idx, new_valid = new
     q_idx, q_valid = queries
-    n = new_idx.shape[1]
-    m = q_idx.shape[1]
-    C = 0 if cache is None else cache.length  # cache slots
-    # made on x's device: a CPU tensor moved to a GPU would wait for its queued work
-    slot = torch.arange(C + n + m, device=x.device)
-    # rank (step in the decode order): 0 for the cache, 1..n for new tokens, n + 1 for queries
-    rank = (slot - C + 1).clamp(0, n + 1)
-    is_mask = slot >= C + n
-    call = slice(C, None)  # this call's n + m tokens are the queries of the mask
-    query = (rank[call, None], is_mask[call, None], slot[call, None])
-    attn = set_causal_predicate(*query, rank, is_mask, slot)  # (n+m, C+n+m)
-    call_ok = torch.cat([new_valid, q_valid], 1)  # (B, n+m)
-    key_ok = call_ok
-    if cache is not None:
-        key_ok = torch.cat([cache.filled, call_ok], 1)  # (B, C+n+m)
-    attn = attn & call_ok[:, :, None]  # (B, n+m, C+n+m)
-    attn = attn & key_ok[:, None, :]
+    filled = new_valid[:, :0] if cache is None else cache.filled  # (B, C): C cache slots
+    attn = call_mask(filled, new_valid, q_valid)  # (B, n+m, C+n+m)
     clean = x.gather(1, new_idx)  # (B, n)
     masks = torch.full_like(q_idx, model.cfg.mask_id)
     tokens = torch.cat([clean, masks], 1)
     positions = torch.cat([new_idx, q_idx], 1)  # (B, n+m) original positions
+    # the padded entries (their row had fewer new tokens or queries) keep the call's shape fixed:
+    # they may see nothing, so they attend everything, and their outputs are never read
     attn = no_empty_rows(attn)
-    logits = model(tokens, positions, attn, cache, queries=m)  # (B, m, V)
+    logits = model(tokens, positions, attn, cache, queries=q_idx.shape[1])  # (B, m, V)
     if cache is not None:
         cache.store(new_idx, new_valid)
     return logits
+
+
+@torch.inference_mode()  # like no_grad, minus autograd's per-op bookkeeping
+def generate(
+    model,
+    prompt=None,
+    infill=None,
+    batch_size=1,
+    max_new_tokens=None,
+    window=None,
+    threshold=math.inf,
+    temperature=1.0,
+    top_p=1.0,
+    repetition_penalty=1.0,
+    generator=None,
+    use_cache=True,
+    stop_at_eos=False,
+    compile=False,
+):
+    """The set sampler, batched (each row has its own window and progress): `prompt` (T,) or
+    (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
+    sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
+    call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
+    default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
+    torch.compile backend's name) runs every call after the first as one compiled function (a
+    CUDA graph on a GPU), with the same tokens as without. -> a Generation.
+
+    The sampler never draws from the order policy: its window opens at the leftmost masked
+    position (as the authors' sampler), and the policy reaches it only through the largest
+    window it met in training and, for block, its block edges."""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    w = sampler_window(
+        cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
+    )
+    require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
+    x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
+    B, T = x.shape
+    start = time.perf_counter()
+    m = min(w, T)  # queries a call: fixed, so that no call reads a count from the device
+    uniforms = None
+    if temperature > 0:  # all of the run's draws at once: at most T calls of B x m
+        u = torch.rand(T, B, m, generator=generator, dtype=torch.float64)
+        uniforms = upload(u, "cpu" if device.type == "mps" else device)
+    run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
+    run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
+    run.stop_at_eos = stop_at_eos
+    # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
+    P = int(run.pending.sum(1).max())
+    if use_cache:
+        run.cache = KVCache(cfg, B, T, max(P, w) + m, device)
+    was_training = model.training
+    model.eval()  # dropout off; restored below
+    n = next_call(sampler_call(model, run, P))
+    step = sampler_call
+    if compile:  # at fixed addresses, a CUDA graph updates the run's tensors in place
+        for t in [*vars(run).values(), *vars(run.cache).values()]:
+            if torch.is_tensor(t):
+                torch._dynamo.mark_static_address(t)
+        step = compiled(sampler_call, "inductor" if compile is True else compile)
+    try:
+        while n:  # n: the set size of the last call, the new tokens of the next
+            n = next_call(step(model, run, n))
+    except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
+        why = str(e).split("\n")[0]
+        raise ValueError(f"--compile: torch.compile fails here ({why}): run without it") from None
+    finally:
+        model.train(was_training)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    with torch.inference_mode(False):  # plain tensors out: they may feed a training forward
+        tokens = run.x.clone()
+        reveal_call = run.reveal_call.clone()
+        row_calls = run.row_calls.cpu().clone()
+    return Generation(tokens, reveal_call, int(run.call), row_calls, seconds)
+
+
+def sampler_call(model, run, n):
+    """One step of the set sampler, feeding n new tokens -> what the host reads after it:
+    (every row done, an output NaN, the most tokens a row revealed)."""
+    cfg = model.cfg
+    x = run.x
+    # 1. the window of each unfinished row
+    masked = (x == cfg.mask_id) & ~run.done[:, None]
+    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
+    # 2. one network call (cached: it also writes the last call's set into the cache)
+    if run.cache is not None:
+        new = gather_sets(run.pending, n=n)
+    else:  # the cache-free step: every revealed token, in decode order (call, position)
+        new = gather_sets(run.reveal_call >= GIVEN, key=run.reveal_call)
+    logits = predict(model, x, new, queries, run.cache)
+    run.diverged |= logits.isnan().any()
+    if run.penalty != 1:
+        seen = (run.reveal_call >= run.first_seen) & ~padding(cfg, x)
+        logits = penalize_repeats(logits, x, seen, run.penalty)
+    # 3. a candidate per query; 4. the commit rule picks this call's set
+    u = None
+    if run.uniforms is not None:
+        u = run.uniforms[run.call][0]  # (B, m); a tensor index: no host read
+    cand, conf = draw_candidates(logits, run.temperature, run.top_p, u)  # (B, m)
+    q_idx, q_valid = queries
+    reveal = commit_rule(conf, q_valid, run.threshold)  # (B, m)
+    write_where(x, q_idx, reveal, cand)
+    write_where(run.reveal_call, q_idx, reveal, run.call)
+    run.pending.copy_(run.reveal_call == run.call)  # this call's set: the next call caches it
+    run.row_calls += ~run.done
+    run.call += 1
+    run.done |= (x != cfg.mask_id).all(1)
+    if run.stop_at_eos:
+        run.done |= stop_at_first_eos(cfg, x, run.reveal_call)
+    set_size = reveal.sum(1).max()
+    return torch.stack([run.done.all(), run.diverged[0], set_size])
+
+
+class SamplerRun:
+    """The settings and tensors of one generate() run. Every call updates the tensors in place:
+    at fixed addresses, a compiled call is one CUDA graph replayed."""
+
+    def __init__(self, cfg, x, w, m, threshold, temperature, top_p, penalty, uniforms):
+        self.x = x  # (B, T) the canvas: MASK where not revealed yet
+        self.w = w  # the window
+        self.m = m  # queries a call
+        self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
+        self.threshold = threshold  # tau
+        self.temperature = temperature
+        self.top_p = top_p
+        self.penalty = penalty
+        self.uniforms = uniforms  # (T, B, m) call c draws with uniforms[c]; None: greedy
+        self.first_seen = 0
+        self.stop_at_eos = False
+        self.cache = None  # a KVCache, or None for the cache-free step
+        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
+        self.pending = x != cfg.mask_id  # revealed, not cached yet: the context, at first
+        self.done = self.pending.all(1)  # (B,)
+        self.row_calls = torch.zeros_like(self.done, dtype=torch.long)  # (B,)
+        self.call = torch.zeros(1, dtype=torch.long, device=x.device)  # calls so far
+        self.diverged = torch.zeros(1, dtype=torch.bool, device=x.device)
+
+
+def next_call(read) -> int:
+    """A sampler call's one read of the device -> the next call's n new tokens (the last call's
+    set size), 0 when every row is done. NaN outputs (weights that diverged) are refused here,
+    a call late, not by a read of their own."""
+    finished, nan, set_size = read.tolist()
+    require(not nan, "the model's outputs are NaN: its weights diverged")
+    return 0 if finished else set_size
+
+
+def write_where(t, idx, chosen, values):
+    """t[b, idx[b, j]] = values[b, j] where chosen[b, j], by a scatter of every entry (no host
+    read of how many): one not chosen, or padded (at the given position 0), writes back t."""
+    kept = t.gather(1, idx)
+    t.scatter_(1, idx, torch.where(chosen, values, kept))
+
+
+def stop_at_first_eos(cfg, x, reveal_call):
+    """Rows whose first generated EOS has everything before it revealed are done; what follows
+    it (generated or still masked) becomes PAD (EOS without PAD), call ERASED. Given tokens
+    (infill context) never change. Updates x and reveal_call; returns the stopped rows."""
+    T = x.shape[1]
+    pos = torch.arange(T, device=x.device)[None, :]
+    eos = (x == cfg.eos_id) & (reveal_call >= 0)  # generated, not given
+    eos_pos = torch.where(eos, pos, T)
+    first = eos_pos.min(1, keepdim=True).values  # (B, 1)
+    masked = x == cfg.mask_id
+    gaps = (masked & (pos < first)).any(1)
+    stop = (first[:, 0] < T) & ~gaps
+    after = stop[:, None] & (pos > first)
+    after &= reveal_call != GIVEN
+    # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_call marks it ERASED.
+    # masked_fill_, not x[after] = ...: a boolean index reads its count from the device.
+    x.masked_fill_(after, cfg.eos_id if cfg.pad_id is None else cfg.pad_id)
+    reveal_call.masked_fill_(after, ERASED)
+    return stop
+
+
+# -- generate's helpers: compiling a call, and the checks of its arguments (skip at first) --
+@functools.cache
+def compiled(function, backend="inductor"):
+    """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
+    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
+    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
+    return torch.compile(function, backend=backend, **options)
 
 
 def sampler_window(
@@ -885,187 +1098,6 @@ def with_bos(src, bos_id, flag):
     require(not starts.any(), f"{flag}: some rows start with BOS, some do not")
     bos = torch.full((len(src), 1), bos_id, device=src.device)
     return torch.cat([bos, src], 1)
-
-
-@torch.inference_mode()  # like no_grad, minus autograd's per-op bookkeeping
-def generate(
-    model,
-    prompt=None,
-    infill=None,
-    batch_size=1,
-    max_new_tokens=None,
-    window=None,
-    threshold=math.inf,
-    temperature=1.0,
-    top_p=1.0,
-    repetition_penalty=1.0,
-    generator=None,
-    use_cache=True,
-    stop_at_eos=False,
-    compile=False,
-):
-    """The set sampler, batched (each row has its own window and progress): `prompt` (T,) or
-    (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
-    sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
-    call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
-    default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
-    torch.compile backend's name) runs every call after the first as one compiled function (a
-    CUDA graph on a GPU), with the same tokens as without. -> a Generation."""
-    cfg = model.cfg
-    device = next(model.parameters()).device
-    w = sampler_window(
-        cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
-    )
-    require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
-    x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
-    B, T = x.shape
-    start = time.perf_counter()
-    m = min(w, T)  # queries a call: fixed, so that no call reads a count from the device
-    uniforms = None
-    if temperature > 0:  # all of the run's draws at once: at most T calls of B x m
-        u = torch.rand(T, B, m, generator=generator, dtype=torch.float64)
-        uniforms = upload(u, "cpu" if device.type == "mps" else device)
-    run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
-    run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
-    run.stop_at_eos = stop_at_eos
-    # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
-    P = int(run.pending.sum(1).max())
-    if use_cache:
-        run.cache = KVCache(cfg, B, T, max(P, w) + m, device)
-    was_training = model.training
-    model.eval()  # dropout off; restored below
-    n = next_call(sampler_call(model, run, P))
-    step = sampler_call
-    if compile:  # at fixed addresses, a CUDA graph updates the run's tensors in place
-        for t in [*vars(run).values(), *vars(run.cache).values()]:
-            if torch.is_tensor(t):
-                torch._dynamo.mark_static_address(t)
-        step = compiled(sampler_call, "inductor" if compile is True else compile)
-    try:
-        while n:  # n: the set size of the last call, the new tokens of the next
-            n = next_call(step(model, run, n))
-    except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
-        why = str(e).split("\n")[0]
-        raise ValueError(f"--compile: torch.compile fails here ({why}): run without it") from None
-    finally:
-        model.train(was_training)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    with torch.inference_mode(False):  # plain tensors out: they may feed a training forward
-        tokens = run.x.clone()
-        reveal_call = run.reveal_call.clone()
-        row_calls = run.row_calls.cpu().clone()
-    return Generation(tokens, reveal_call, int(run.call), row_calls, seconds)
-
-
-class SamplerRun:
-    """The settings and tensors of one generate() run. Every call updates the tensors in place:
-    at fixed addresses, a compiled call is one CUDA graph replayed."""
-
-    def __init__(self, cfg, x, w, m, threshold, temperature, top_p, penalty, uniforms):
-        self.x = x  # (B, T) the canvas: MASK where not revealed yet
-        self.w = w  # the window
-        self.m = m  # queries a call
-        self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
-        self.threshold = threshold  # tau
-        self.temperature = temperature
-        self.top_p = top_p
-        self.penalty = penalty
-        self.uniforms = uniforms  # (T, B, m) call c draws with uniforms[c]; None: greedy
-        self.first_seen = 0
-        self.stop_at_eos = False
-        self.cache = None  # a KVCache, or None for the cache-free step
-        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
-        self.pending = x != cfg.mask_id  # revealed, not cached yet: the context, at first
-        self.done = self.pending.all(1)  # (B,)
-        self.row_calls = torch.zeros_like(self.done, dtype=torch.long)  # (B,)
-        self.call = torch.zeros(1, dtype=torch.long, device=x.device)  # calls so far
-        self.diverged = torch.zeros(1, dtype=torch.bool, device=x.device)
-
-
-def sampler_call(model, run, n):
-    """One step of the set sampler, feeding n new tokens -> what the host reads after it:
-    (every row done, an output NaN, the most tokens a row revealed)."""
-    cfg = model.cfg
-    x = run.x
-    # 1. the window of each unfinished row
-    masked = (x == cfg.mask_id) & ~run.done[:, None]
-    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
-    # 2. one network call (cached: it also writes the last call's set into the cache)
-    if run.cache is not None:
-        new = gather_sets(run.pending, n=n)
-    else:  # the cache-free step: every revealed token, in decode order (call, position)
-        new = gather_sets(run.reveal_call >= GIVEN, key=run.reveal_call)
-    logits = predict(model, x, new, queries, run.cache)
-    run.diverged |= logits.isnan().any()
-    if run.penalty != 1:
-        seen = (run.reveal_call >= run.first_seen) & ~padding(cfg, x)
-        logits = penalize_repeats(logits, x, seen, run.penalty)
-    # 3. a candidate per query; 4. the commit rule picks this call's set
-    u = None
-    if run.uniforms is not None:
-        u = run.uniforms[run.call][0]  # (B, m); a tensor index: no host read
-    cand, conf = draw_candidates(logits, run.temperature, run.top_p, u)  # (B, m)
-    q_idx, q_valid = queries
-    reveal = commit_rule(conf, q_valid, run.threshold)  # (B, m)
-    write_where(x, q_idx, reveal, cand)
-    write_where(run.reveal_call, q_idx, reveal, run.call)
-    run.pending.copy_(run.reveal_call == run.call)  # this call's set: the next call caches it
-    run.row_calls += ~run.done
-    run.call += 1
-    run.done |= (x != cfg.mask_id).all(1)
-    if run.stop_at_eos:
-        run.done |= stop_at_first_eos(cfg, x, run.reveal_call)
-    set_size = reveal.sum(1).max()
-    return torch.stack([run.done.all(), run.diverged[0], set_size])
-
-
-def next_call(read) -> int:
-    """A sampler call's one read of the device -> the next call's n new tokens (the last call's
-    set size), 0 when every row is done. NaN outputs (weights that diverged) are refused here,
-    a call late, not by a read of their own."""
-    finished, nan, set_size = read.tolist()
-    require(not nan, "the model's outputs are NaN: its weights diverged")
-    return 0 if finished else set_size
-
-
-@functools.cache
-def compiled(function, backend="inductor"):
-    """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
-    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
-    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 64)
-    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
-    return torch.compile(function, backend=backend, **options)
-
-
-def write_where(t, idx, chosen, values):
-    """t[b, idx[b, j]] = values[b, j] where chosen[b, j], by a scatter of every entry (no host
-    read of how many): one not chosen, or padded (at the given position 0), writes back t."""
-    kept = t.gather(1, idx)
-    t.scatter_(1, idx, torch.where(chosen, values, kept))
-
-
-def stop_at_first_eos(cfg, x, reveal_call):
-    """Rows whose first generated EOS has everything before it revealed are done; what follows
-    it (generated or still masked) becomes PAD (EOS without PAD), call ERASED. Given tokens
-    (infill context) never change. Updates x and reveal_call; returns the stopped rows."""
-    T = x.shape[1]
-    pos = torch.arange(T, device=x.device)[None, :]
-    eos = (x == cfg.eos_id) & (reveal_call >= 0)  # generated, not given
-    eos_pos = torch.where(eos, pos, T)
-    first = eos_pos.min(1, keepdim=True).values  # (B, 1)
-    masked = x == cfg.mask_id
-    gaps = (masked & (pos < first)).any(1)
-    stop = (first[:, 0] < T) & ~gaps
-    after = stop[:, None] & (pos > first)
-    after &= reveal_call != GIVEN
-    # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_call marks it ERASED.
-    # masked_fill_, not x[after] = ...: a boolean index reads its count from the device.
-    x.masked_fill_(after, cfg.eos_id if cfg.pad_id is None else cfg.pad_id)
-    reveal_call.masked_fill_(after, ERASED)
-    return stop
 
 
 # ---- Checkpoints: setdiff's own, and the authors' released SetDLM folders -------------------
@@ -1562,15 +1594,6 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def upload(t: torch.Tensor, device) -> torch.Tensor:
-    """A CPU tensor to `device` without waiting: on a GPU a plain copy from pageable memory
-    waits for all queued GPU work (a host sync), a copy from pinned memory does not."""
-    device = torch.device(device or "cpu")
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def synchronize(device: torch.device) -> None:

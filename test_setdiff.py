@@ -482,6 +482,20 @@ def test_show_mask_prints_the_worked_example():
     assert "m3 [ 1  1  1  0 |  0  0  0  1 ]" in shown
 
 
+def test_show_call_prints_the_readmes_example():
+    """The call after one that revealed 2 and 4 (0, 1 cached; w = 3), by the rules: a new token
+    sees the cache, the new tokens up to itself; a query the cache, every new token, itself."""
+    shown = setdiff.show_call(6, [0, 1], [2, 4], [3, 5])
+    assert shown.splitlines() == [
+        "    p0 p1 p2 p3 p4 p5 | n2 n4 | q3 q5",
+        "n2 [ 1  1  0  0  0  0 |  1  0 |  0  0 ]",
+        "n4 [ 1  1  0  0  0  0 |  1  1 |  0  0 ]",
+        "q3 [ 1  1  0  0  0  0 |  1  1 |  1  0 ]",
+        "q5 [ 1  1  0  0  0  0 |  1  1 |  0  1 ]",
+    ]
+    assert shown in (ROOT / "README.md").read_text()
+
+
 @table("L", {f"L{L}": L for L in (1, 2, 3, 5, 8, 13)})
 def test_set_causal_mask_follows_the_rules_slot_by_slot(L):
     mask = setdiff.set_causal_mask(L)
