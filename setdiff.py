@@ -892,18 +892,10 @@ def generate(
     was_training = model.training
     model.eval()  # dropout off; restored below
     n = next_call(sampler_call(model, run, P))
-    step = sampler_call
-    if compile:  # at fixed addresses, a CUDA graph updates the run's tensors in place
-        for t in [*vars(run).values(), *vars(run.cache).values()]:
-            if torch.is_tensor(t):
-                torch._dynamo.mark_static_address(t)
-        step = compiled(sampler_call, "inductor" if compile is True else compile)
+    step = compiled_call(run, compile) if compile else sampler_call
     try:
         while n:  # n: the set size of the last call, the new tokens of the next
             n = next_call(step(model, run, n))
-    except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
-        why = str(e).split("\n")[0]
-        raise ValueError(f"--compile: torch.compile fails here ({why}): run without it") from None
     finally:
         model.train(was_training)
     synchronize(device)
@@ -1014,18 +1006,7 @@ def stop_at_first_eos(cfg, x, reveal_call):
     return stop
 
 
-# -- generate's helpers: compiling a call, and the checks of its arguments (skip at first) --
-@functools.cache
-def compiled(function, backend="inductor"):
-    """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
-    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
-    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 64)
-    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
-    return torch.compile(function, backend=backend, **options)
-
-
+# -- generate's argument checks (a first reading can skip them) -----------------------------
 def sampler_window(
     cfg, window, threshold, temperature, top_p, repetition_penalty=1.0, infill=False
 ):
@@ -1540,7 +1521,7 @@ def released_tokenizer_files(tok: Tokenizer) -> dict:
     return {"vocab.json": vocab_json.encode(), "merges.txt": merges.encode()}
 
 
-# ---- Running: device, dtype, threads ----------------------------------------------------
+# ---- Running: device, dtype, threads, compile ---------------------------------------------------
 def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
     """Where and how to run, each choice with its reason -> (device, dtype, a line saying so):
     the device given (checked) or the first of cuda, mps, cpu ("cuda" under torchrun: this
@@ -1594,6 +1575,44 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision for forward passes: matmuls in `dtype`, weights stay float32."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def compiled_call(run, backend):
+    """sampler_call compiled for `run` (backend True: inductor, or a torch.compile backend's
+    name), its tensors at fixed addresses; a failure to compile is one line naming --compile."""
+    fixed_addresses(run, run.cache)
+    step = compiled(sampler_call, "inductor" if backend is True else backend)
+
+    def call(model, run, n):
+        try:
+            return step(model, run, n)
+        except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
+            why = str(e).split("\n")[0]
+            raise ValueError(
+                f"--compile: torch.compile fails here ({why}): run without it"
+            ) from None
+
+    return call
+
+
+@functools.cache
+def compiled(function, backend="inductor"):
+    """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
+    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
+    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
+    return torch.compile(function, backend=backend, **options)
+
+
+def fixed_addresses(*holders):
+    """Mark every tensor attribute of `holders` a static address: a compiled call's CUDA graph
+    then updates them in place (it skips the graph for other inputs that a call changes)."""
+    for holder in holders:
+        for t in vars(holder).values():
+            if torch.is_tensor(t):
+                torch._dynamo.mark_static_address(t)
 
 
 def synchronize(device: torch.device) -> None:

@@ -57,6 +57,9 @@ def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generat
     plain_call(model, rows, cache, last, u, sampling, positions)  # the first call: the prompt
     step = plain_call
     if kw.get("compile"):  # True, or a torch.compile backend's name
+        setdiff.fixed_addresses(cache)
+        for t in (rows, last, u):
+            torch._dynamo.mark_static_address(t)
         backend = "inductor" if kw["compile"] is True else kw["compile"]
         step = setdiff.compiled(plain_call, backend)
     for _ in range(new_tokens - 1):  # the token at position p is stored at slot p
