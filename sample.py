@@ -6,7 +6,7 @@
     python sample.py --ckpt out/ckpt.pt --eval valid.txt --num-orders 4    # likelihood bound
     python sample.py --ckpt out/ckpt.pt --eval                             # its validation rows
     python sample.py --ckpt lm1b-setdlm-smax16/ --prompt "the"             # a released model
-    python sample.py --ckpt out/ckpt.pt --export my-setdlm/                # as released models
+    python sample.py --ckpt wp/best.pt --export my-setdlm/    # a BERT/GPT-2 vocab model, as released
 
 Comparisons, benches, order statistics and plots are in experiments/.
 """

@@ -2168,6 +2168,47 @@ def test_export_refuses_a_path_that_holds_something_and_keeps_it(tmp_path, name)
     assert mine.read_text() == "mine"
 
 
+def stops_at_the_second_file(error):
+    """open() for setdiff: the first file is written, the second stops part-way with `error`."""
+    opened = []
+
+    def fake_open(path, mode="r"):
+        opened.append(path)
+        f = io.open(path, mode)
+        if len(opened) == 2:
+            f.write(b"partial")
+            f.close()
+            raise error
+        return f
+
+    return fake_open
+
+
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@table(
+    "empty_before,error,match",
+    {  # was there an empty folder, what stops the export -> its message
+        "new-disk-full": (False, FULL, "could not write .*out: the disk is full"),
+        "new-ctrl-c": (False, KeyboardInterrupt(), None),
+        "empty-disk-full": (True, FULL, "could not write .*out: the disk is full"),
+        "empty-ctrl-c": (True, KeyboardInterrupt(), None),
+    },
+)
+def test_an_export_stopped_part_way_leaves_the_folder_as_it_was(
+    tmp_path, monkeypatch, empty_before, error, match
+):
+    folder = tmp_path / "out"
+    if empty_before:
+        folder.mkdir()
+    monkeypatch.setattr(setdiff, "open", stops_at_the_second_file(error), raising=False)
+    with pytest.raises(type(error), match=match):
+        setdiff.save_released(export_model(), WORDPIECE, folder)
+    assert os.listdir(tmp_path) == ["out"] * empty_before  # no temporary folder beside it
+    assert not empty_before or os.listdir(folder) == []
+
+
 # ---- text -> rows ---------------------------------------------------------------------------
 DOC = b"def f():\r\n    return 1\n\n<|endoftext|>\n\n  x = f()\n"
 
@@ -3390,6 +3431,8 @@ def assert_the_older_run_is_kept():
         "cache-dir": (["--cache-dir", "corpus.txt"], "--cache-dir corpus.txt: "),
         "negative-lr": (["--lr", "-1"], "--lr: must be at least 0"),
         "max-set-size-of-block": (["--order", "block", "--max-set-size", "8"], "--max-set-size"),
+        "threads-100000": (["--threads", "100000"], "--threads 100000: at most"),
+        "seed-past-2-64": (["--seed", str(2**64)], "--seed: must be in [0, 18446744073709551616)"),
     },
 )
 def test_train_bad_input_is_one_line_and_exit_2(bad_inputs, capsys, flags, needle):
@@ -3907,6 +3950,63 @@ def test_export_writes_a_folder_that_samples_as_its_checkpoint(tmp_path, capsys)
     assert texts_of(from_dir) == texts_of(from_ckpt)
 
 
+MAKEDIRS = os.makedirs
+
+
+def read_only(path, *args, **kw):
+    """os.makedirs where the disk under a folder "ro" is read-only (torch makes folders too)."""
+    if "/ro/" in str(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return MAKEDIRS(path, *args, **kw)
+
+
+@table(
+    "export,makedirs,message",
+    {  # --export, the system's os.makedirs -> the one line
+        "empty-name": ("", os.makedirs, "--export '': give the name of the folder to write"),
+        "read-only-disk": (
+            "{d}/ro/out",
+            read_only,
+            "could not write {d}/ro/out: read-only file system",
+        ),
+    },
+)
+def test_export_path_errors_are_one_line_of_ours(
+    tmp_path, capsys, monkeypatch, export, makedirs, message
+):
+    ckpt = tmp_path / "wp.pt"
+    setdiff.save_checkpoint(ckpt, export_model(), WORDPIECE)
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    argv = ["--ckpt", ckpt, "--export", export.format(d=tmp_path)]
+    assert run_sample(capsys, *argv)[::2] == (2, f"error: {message.format(d=tmp_path)}\n")
+    assert os.listdir(tmp_path) == ["wp.pt"]
+
+
+@table(
+    "script,said",
+    {
+        "sample": ("sample.py", "interrupted\n"),
+        "train_small": (
+            "train_small.py",
+            "\ninterrupted (outside the training steps: nothing new to save)\n",
+        ),
+    },
+)
+def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(script, said):
+    """SIGINT once libtorch is mapped (inside `import torch`, a second before main) ends the
+    script as a later Ctrl-C does."""
+    cmd = [sys.executable, script, "--help"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while proc.poll() is None and "libtorch" not in maps.read_text():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert (proc.returncode, err) == (130, said)
+
+
 VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
 
 
@@ -3999,6 +4099,9 @@ def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys
         "export-bytes": ("{st} --export {d}/exported", "cannot export the bytes tokenizer"),
         "export-into-a-full-folder": ("{st} --export {d}", "exists and is not an empty folder"),
         "export-and-eval": ("{st} --export {d}/exported --eval", "not allowed"),
+        "threads-100000": ("{st} --threads 100000", "--threads 100000: at most"),
+        "seed-past-2-64": ("{st} --seed " + "9" * 23, "--seed: must be below 18446744073709551616"),
+        "negative-seed": ("{st} --seed -1", "--seed: must be at least 0"),
     },
 )
 def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
