@@ -1076,13 +1076,11 @@ def load_checkpoint(path, device="cpu"):
     if os.path.isdir(path):
         return load_released(path, device)
     ckpt = read_checkpoint(path, device)
-    try:  # an unknown config field: another version
+    try:  # an unknown config field (another version), or Config's checks (an edited file)
         cfg = Config(**ckpt["config"])
-    except (TypeError, KeyError) as e:
+    except (TypeError, KeyError, ValueError) as e:
         why = one_line(e)
-        raise ValueError(f"{path} does not match this setdiff.py: {why}") from None
-    except ValueError as e:  # an edited config
-        raise ValueError(f"{path}: config: {e}") from None
+        raise ValueError(f"{path}: its config does not match this setdiff.py: {why}") from None
     model = model_of(cfg, ckpt["model"], path)
     tok = Tokenizer.from_spec(ckpt.get("tokenizer"))
     return model.to(device).eval(), tok, ckpt
@@ -1093,8 +1091,6 @@ def model_of(cfg: Config, weights, where) -> SetDiffusionLM:
     the model is built: a config whose sizes disagree with its weights (d_model = 10**9 beside a
     small file) is refused before any weight is allocated."""
     fix = "the weights do not fit the config: use a config and weights saved together"
-    tensors = isinstance(weights, dict) and all(map(torch.is_tensor, weights.values()))
-    require(tensors, f"{where}: the weights are not a dict of tensors; {fix}")
     n = cfg.n_layer  # each block holds weights: a bound before the blocks are made
     require(n <= len(weights), f"{where}: n_layer {n}: more blocks than weights; {fix}")
     with torch.device("meta"):  # shapes only: nothing is allocated
@@ -1181,44 +1177,40 @@ def load_released(folder, device="cpu"):
 
 
 RELEASED_FIX = "download the folder again, or export it again"
-RELEASED_CONFIG = {  # Config's fields, and where a released config.json holds them
-    "vocab_size": "backbone_config.vocab_size",
-    "seq_len": "length",
-    "n_layer": "backbone_config.num_layers",
-    "n_head": "backbone_config.n_heads",
-    "d_model": "backbone_config.hidden_size",
-    "dropout": "backbone_config.dropout",
-    "set_size": "noise_config.desired_block_size",
-    "mask_id": "mask_token_id",
-}
 
 
 def released_config(spec: dict, tok: Tokenizer, path) -> Config:
-    """The Config of a config.json, checked by Config in the file's own names."""
-    fields = {}
-    for name, place in RELEASED_CONFIG.items():
-        value = spec
-        for key in place.split("."):
-            value = value.get(key)  # backbone_config and noise_config are objects: checked
-        require(value is not None, f"{path}: {place}: missing; {RELEASED_FIX}")
-        fields[name] = value
+    """The Config of a config.json (backbone_config and noise_config: objects, checked)."""
+    net = spec["backbone_config"]
     noise = spec["noise_config"]
+    L = spec.get("length")
     s = noise.get("max_block_size")
     # NOTE: config.json says max_block_size = block_size (= L), but the training-time schedule
     # ignored it and used s = min(2d, L) (Config's default); the authors' own evaluation loader
     # maps it back so.
-    if s == noise.get("block_size", fields["seq_len"]):
+    if s == noise.get("block_size", L):
         s = None
     # NOTE: PAD comes from the tokenizer: OWT's config.json names EOS (50256) as its pad id,
     # but its rows have no padding, and EOS targets are scored (the authors' hub evaluation).
-    ids = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
     try:
-        return Config(**fields, max_set_size=s, **ids)
-    except ValueError as e:
-        message = str(e)
-        for name, place in RELEASED_CONFIG.items():  # Config's names -> the file's
-            message = message.replace(name, place)
-        raise ValueError(f"{path}: {message}") from None
+        return Config(
+            vocab_size=net["vocab_size"],
+            seq_len=spec["length"],
+            n_layer=net["num_layers"],
+            n_head=net["n_heads"],
+            d_model=net["hidden_size"],
+            dropout=net["dropout"],
+            set_size=noise["desired_block_size"],
+            max_set_size=s,
+            mask_id=spec["mask_token_id"],
+            bos_id=tok.bos_id,
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+        )
+    except KeyError as e:
+        raise ValueError(f"{path} lacks a field a SetDLM's config.json has: {e}") from None
+    except ValueError as e:  # Config's checks
+        raise ValueError(f"{path}: {e}") from None
 
 
 def released_kind(spec) -> str | None:
@@ -1273,7 +1265,8 @@ def released_weights(folder) -> dict:
             state = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"{bin_path} is not a state dict ({type(e).__name__})") from None
-        names = isinstance(state, dict) and all(isinstance(k, str) for k in state)
+        tensors = isinstance(state, dict) and all(map(torch.is_tensor, state.values()))
+        names = tensors and all(isinstance(k, str) for k in state)
         require(names, f"{bin_path} is not a state dict (names of tensors); {RELEASED_FIX}")
         return state
     path = os.path.join(folder, "model.safetensors")
@@ -1302,11 +1295,11 @@ def read_safetensors(path) -> dict:
         info = info if isinstance(info, dict) else {}
         kind = info.get("dtype")
         dtype = SAFETENSORS_DTYPES.get(str(kind))
-        known = f"setdiff reads {', '.join(SAFETENSORS_DTYPES)} only"
-        require(dtype, f"{path}: tensor {name}: dtype {kind!r}: {known}")
+        known = ", ".join(SAFETENSORS_DTYPES)
+        require(dtype, f"{path}: tensor {name}: dtype {kind!r}: setdiff reads {known} only")
         shape = info.get("shape")
-        sizes = natural_numbers(shape)
-        require(sizes, f"{path}: tensor {name}: shape {shape!r}: not a list of sizes")
+        sizes = f"{path}: tensor {name}: shape {shape!r}: not a list of sizes"
+        require(natural_numbers(shape), sizes)
         span = info.get("data_offsets")
         count = math.prod(shape) * dtype.itemsize  # its bytes
         fits = natural_numbers(span) and len(span) == 2 and span[1] - span[0] == count
@@ -1526,9 +1519,8 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
         why_dtype = "bf16 is not known to be faster: experiments/train_bench.py"
     cores = os.cpu_count() or 1
     # NOTE: bounded: torch crawls at thousands of threads and crashes at 10^5
-    most = 4 * cores
-    many = f"--threads {threads}: at most {most} (4 x the {cores} cores); more only wait in turn"
-    require(threads is None or threads <= most, many)
+    many = f"--threads {threads}: at most {4 * cores} (4 x the {cores} cores); more only wait"
+    require(threads is None or threads <= 4 * cores, many)
     busy = 0
     if hasattr(os, "getloadavg"):  # not on Windows
         busy = round(os.getloadavg()[0])
