@@ -6,27 +6,32 @@
     python sample.py --ckpt out/ckpt.pt --eval valid.txt --num-orders 4    # likelihood bound
     python sample.py --ckpt out/ckpt.pt --eval                             # its validation rows
     python sample.py --ckpt lm1b-setdlm-smax16/ --prompt "the"             # a released model
-    python sample.py --ckpt out/ckpt.pt --export my-setdlm/                # as released models
+    python sample.py --ckpt wp/best.pt --export my-setdlm/    # a BERT/GPT-2 vocab model, as released
 
 Comparisons, benches, order statistics and plots are in experiments/.
 """
 
-import argparse
-import array
-import collections
-import glob
-import math
-import os
-import re
-import signal
 import sys
-from dataclasses import dataclass
 
-import numpy as np
-import torch
+try:  # Ctrl-C while torch loads (a second or more) ends as it does later: a line, exit 130
+    import argparse
+    import array
+    import collections
+    import glob
+    import math
+    import os
+    import re
+    import signal
+    from dataclasses import dataclass
 
-import setdiff
-from setdiff import GIVEN, Config, Tokenizer, require
+    import numpy as np
+    import torch
+
+    import setdiff
+    from setdiff import GIVEN, Config, Tokenizer, require
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 # ---- Command line -----------------------------------------------------------------------------
@@ -37,13 +42,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def at_least(low: int):
-    """An argparse type: an integer of at least `low`."""
+def at_least(low: int, below=math.inf):
+    """An argparse type: an integer of at least `low` (and below `below`)."""
 
     def integer(text: str) -> int:  # argparse names the type after this function
         value = int(text)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if value >= below:
+            raise argparse.ArgumentTypeError(f"must be below {below}, got {text}")
         return value
 
     return integer
@@ -73,7 +80,8 @@ def build_parser() -> Parser:
     p.add_argument("--top-p", type=float, default=1.0, help=top_p)
     penalty = "divides a seen token's positive logit (multiplies a negative one); 1 = off (1)"
     p.add_argument("--repetition-penalty", type=float, default=1.0, help=penalty)
-    p.add_argument("--seed", type=int, default=0, help="seed of samples and --eval orders (0)")
+    seeds = at_least(0, 2**64)  # torch.Generator's seeds
+    p.add_argument("--seed", type=seeds, default=0, help="of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
     compiled = "torch.compile every call after the first (a CUDA graph on a GPU): same tokens"
     p.add_argument("--compile", action="store_true", help=compiled)
@@ -283,6 +291,7 @@ def evaluate(args, model, tok: Tokenizer, ckpt: dict):
 def export(args):
     """--export: the model, read on the CPU, written as the authors' released SetDLM folders are
     (setdiff.save_released refuses what that format cannot express)."""
+    require(args.export, "--export '': give the name of the folder to write")
     model, tok, _ = setdiff.load_checkpoint(args.ckpt)
     names = setdiff.save_released(model, tok, args.export)
     written = ", ".join(names)

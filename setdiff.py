@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 import unicodedata
 from collections.abc import Callable
@@ -67,23 +68,36 @@ class Config:
     pad_id: int | None = 256  # fills rows after their end, never scored; None: no padding
 
     def __post_init__(self):
-        if self.order == "staggered" and self.max_set_size is None:
-            self.max_set_size = min(2 * self.set_size, self.seq_len)
         check_config(self)
+        if self.order == "staggered" and self.max_set_size is None:
+            self.max_set_size = min(2 * self.set_size, self.seq_len)  # in [d, L]: checked
 
 
 def check_config(cfg):
-    """A Config's user errors, each with its own message (bad flags end up here)."""
+    """A Config's user errors, each with its own message (bad flags and edited files end up
+    here): types first, so that every later check compares numbers."""
+    for name, value in vars(cfg).items():
+        optional = value is None and name in ("max_set_size", "bos_id", "pad_id")
+        if name not in ("dropout", "order"):
+            require(type(value) is int or optional, f"{name} must be an integer, got {value!r}")
+    # NOTE: the upper bounds stop edited files, past any model this code can run: a million for
+    # the sizes; for L, a row's set-causal mask of (2L)^2 booleans (16 GiB)
+    for name in ("vocab_size", "n_layer", "n_head", "d_model"):
+        size = getattr(cfg, name)
+        require(1 <= size <= 2**20, f"{name} must be in [1, 2**20], got {size}")
+    p = cfg.dropout
+    require(type(p) in (int, float) and 0 <= p < 1, f"dropout must be in [0, 1), got {p!r}")
     L = cfg.seq_len
     d = cfg.set_size
     policies = ", ".join(ORDER_POLICIES)
     known = cfg.order in ORDER_POLICIES
     require(known, f"unknown order policy {cfg.order!r}; use {policies}")
     require(L >= 2, f"the row length L must be at least 2, got {L}")
+    require(L <= 2**16, f"the row length L must be at most {2**16}, got {L}")
     if cfg.order in ("staggered", "block"):
         require(1 <= d <= L, f"the set size d must be in [1, L={L}], got {d}")
-    if cfg.order == "staggered":
-        s = cfg.max_set_size
+    s = cfg.max_set_size
+    if cfg.order == "staggered" and s is not None:
         bounds = f"[d={d}, L={L}]"
         require(d <= s <= L, f"the largest set size s must be in {bounds}, got {s}")
     order_policy(cfg)  # a policy must say both its training order and its window
@@ -1130,19 +1144,27 @@ def write_checkpoint(path, ckpt: dict):
 
 
 def write_file(path, data):
-    """`data` (bytes) to a temporary file renamed to `path` (atomic): a reader never sees half a
-    file, and a failed write leaves the old one as it was."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    """`data` (bytes, or {name: bytes} for a folder) written under a temporary name renamed to
+    `path` last (atomic): a reader never sees half a file or folder, and a failure or Ctrl-C at
+    any moment leaves `path` as it was (the rename replaces a file, or an empty folder)."""
+    tmp = f"{os.path.normpath(path)}.tmp-{os.getpid()}"  # beside `path`, after a "/" too
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        if isinstance(data, dict):
+            os.makedirs(tmp)
+            for name, blob in data.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(blob)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
         os.replace(tmp, path)
     except OSError as e:
-        why = e.strerror
+        why = (e.strerror or str(e)).lower()
         if e.errno == errno.ENOSPC:
             why = "the disk is full"
         raise OSError(f"could not write {path}: {why}") from None
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a folder's; gone after the rename
         if os.path.exists(tmp):
             os.remove(tmp)
 
@@ -1171,23 +1193,41 @@ def load_checkpoint(path, device="cpu"):
     if os.path.isdir(path):
         return load_released(path, device)
     ckpt = read_checkpoint(path, device)
-    try:  # an unknown config field or weight: another version
-        model = SetDiffusionLM(Config(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"], strict=True)
-    except (TypeError, RuntimeError, KeyError) as e:
+    try:  # an unknown config field (another version), or Config's checks (an edited file)
+        cfg = Config(**ckpt["config"])
+    except (TypeError, KeyError, ValueError) as e:
         why = one_line(e)
-        raise ValueError(f"{path} does not match this setdiff.py: {why}") from None
-    require_finite(model, path)
-    tok = Tokenizer.from_spec(ckpt["tokenizer"])
+        raise ValueError(f"{path}: its config does not match this setdiff.py: {why}") from None
+    model = model_of(cfg, ckpt["model"], path)
+    tok = Tokenizer.from_spec(ckpt.get("tokenizer"))
     return model.to(device).eval(), tok, ckpt
 
 
-def require_finite(model: SetDiffusionLM, path):
+def model_of(cfg: Config, weights, where) -> SetDiffusionLM:
+    """SetDiffusionLM(cfg) holding `weights`, whose names, shapes and values are checked before
+    the model is built: a config whose sizes disagree with its weights (d_model = 10**9 beside a
+    small file) is refused before any weight is allocated."""
+    fix = "the weights do not fit the config: use a config and weights saved together"
+    n = cfg.n_layer  # each block holds weights: a bound before the blocks are made
+    require(n <= len(weights), f"{where}: n_layer {n}: more blocks than weights; {fix}")
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        want = {k: tuple(w.shape) for k, w in SetDiffusionLM(cfg).state_dict().items()}
+    got = {k: tuple(w.shape) for k, w in weights.items()}
+    name = min(want.items() ^ got.items(), key=str, default=[None])[0]  # a name they differ at
+    shapes = f"{got.get(name, 'missing')} in the file, {want.get(name, 'none')} by the config"
+    require(name is None, f"{where}: weight {name}: {shapes}; {fix}")
+    require_finite(weights, where)
+    model = SetDiffusionLM(cfg)
+    model.load_state_dict(weights)
+    return model
+
+
+def require_finite(weights: dict, where):
     """Refuse NaN and inf weights: the run that wrote them diverged, and every output would be
     NaN or garbage."""
-    for name, w in model.state_dict().items():
-        finite = bool(w.isfinite().all())  # always true for integer tensors
-        require(finite, f"{path}: weight {name} is not finite (NaN or inf): a diverged run's")
+    for name, w in weights.items():
+        finite = bool(w.isfinite().all())
+        require(finite, f"{where}: weight {name} is not finite (NaN or inf): a diverged run's")
 
 
 def one_line(error: Exception) -> str:
@@ -1216,6 +1256,10 @@ def load_released(folder, device="cpu"):
     why = "give a checkpoint file, or a released model's folder"
     require(os.path.isfile(path), f"{folder} is a folder without a config.json: {why}")
     spec = read_json(path, "a released model's config.json")
+    require(isinstance(spec, dict), f"{path}: not a JSON object; {RELEASED_FIX}")
+    for key in ("backbone_config", "noise_config"):
+        has = isinstance(spec.get(key), dict)
+        require(has, f"{path}: {key}: missing or not an object; {RELEASED_FIX}")
     kind = released_kind(spec)
     require(kind is None, f"{folder} holds {kind}: setdiff runs the released SetDLM DiTs only")
     vocab = os.path.join(folder, "vocab.txt")
@@ -1227,10 +1271,7 @@ def load_released(folder, device="cpu"):
         no_files = f"{folder} has no vocab.txt (BERT) nor vocab.json + merges.txt (GPT-2)"
         require(os.path.isfile(vocab_json), no_files)
         tok = Tokenizer.from_bpe(vocab_json, merges)
-    try:
-        cfg = released_config(spec, tok)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path} lacks a field a SetDLM's config.json has: {e}") from None
+    cfg = released_config(spec, tok, path)
     # NOTE: the authors' schedule takes k or b as given where noise_config sets them; setdiff
     # derives both from d and s only, so such a config is refused rather than run differently.
     for key in ("k", "b"):
@@ -1247,51 +1288,56 @@ def load_released(folder, device="cpu"):
         for old, new in RELEASED_NAMES.items():
             key = key.replace(old, new)
         weights[key[1:]] = tensor
-    model = SetDiffusionLM(cfg)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as e:
-        why = one_line(e)
-        raise ValueError(f"{folder}: the weights do not fit config.json: {why}") from None
-    require_finite(model, folder)
+    model = model_of(cfg, weights, folder)
     info = {"config": asdict(cfg), "released": os.fspath(folder)}
     return model.to(device).eval(), tok, info
 
 
-def released_config(spec: dict, tok: Tokenizer) -> Config:
+RELEASED_FIX = "download the folder again, or export it again"
+
+
+def released_config(spec: dict, tok: Tokenizer, path) -> Config:
+    """The Config of a config.json (backbone_config and noise_config: objects, checked)."""
     net = spec["backbone_config"]
     noise = spec["noise_config"]
-    L = spec["length"]
-    d = noise["desired_block_size"]
-    s = noise.get("max_block_size", L)
+    L = spec.get("length")
+    s = noise.get("max_block_size")
     # NOTE: config.json says max_block_size = block_size (= L), but the training-time schedule
-    # ignored it and used s = min(2d, L); the authors' own evaluation loader maps it back so.
+    # ignored it and used s = min(2d, L) (Config's default); the authors' own evaluation loader
+    # maps it back so.
     if s == noise.get("block_size", L):
-        s = min(2 * d, L)
+        s = None
     # NOTE: PAD comes from the tokenizer: OWT's config.json names EOS (50256) as its pad id,
     # but its rows have no padding, and EOS targets are scored (the authors' hub evaluation).
-    return Config(
-        vocab_size=net["vocab_size"],
-        seq_len=L,
-        n_layer=net["num_layers"],
-        n_head=net["n_heads"],
-        d_model=net["hidden_size"],
-        dropout=net["dropout"],
-        set_size=d,
-        max_set_size=s,
-        mask_id=spec["mask_token_id"],
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-    )
+    try:
+        return Config(
+            vocab_size=net["vocab_size"],
+            seq_len=spec["length"],
+            n_layer=net["num_layers"],
+            n_head=net["n_heads"],
+            d_model=net["hidden_size"],
+            dropout=net["dropout"],
+            set_size=noise["desired_block_size"],
+            max_set_size=s,
+            mask_id=spec["mask_token_id"],
+            bos_id=tok.bos_id,
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+        )
+    except KeyError as e:
+        raise ValueError(f"{path} lacks a field a SetDLM's config.json has: {e}") from None
+    except ValueError as e:  # Config's checks
+        raise ValueError(f"{path}: {e}") from None
 
 
 def released_kind(spec) -> str | None:
     """None for a SetDLM on the authors' DiT, else what it is (their baselines share the format)."""
-    require(isinstance(spec, dict), "config.json does not hold an object")
-    net = spec.get("backbone_config") or {}
+    net = spec["backbone_config"]
     target = str(net.get("_target_", ""))
-    arch = (spec.get("architectures") or ["?"])[0]
+    archs = spec.get("architectures")
+    arch = "?"
+    if isinstance(archs, list) and archs:
+        arch = archs[0]
     base = net.get("pretrained_model_name_or_path")
     # the first test that holds says what it is
     if "AutoModel" in target or base:
@@ -1312,9 +1358,10 @@ def released_kind(spec) -> str | None:
 
 
 def read_json(path, what: str):
+    text = read_text(path, what)
     try:
-        return json.loads(read_text(path, what))
-    except json.JSONDecodeError as e:
+        return json.loads(text)
+    except ValueError as e:  # not JSON, or a number of over 4,300 digits
         raise ValueError(f"{path} is not JSON ({e}): not {what}") from None
 
 
@@ -1328,35 +1375,68 @@ SAFETENSORS_DTYPES = {  # the dtypes of a safetensors header that setdiff reads
 
 
 def released_weights(folder) -> dict:
-    """pytorch_model.bin's state dict, or model.safetensors read without a dependency: an 8-byte
-    little-endian header size, a JSON header {name: dtype, shape, data_offsets}, the raw bytes."""
+    """pytorch_model.bin's state dict, or model.safetensors's tensors."""
     bin_path = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(bin_path):
         try:
-            return torch.load(bin_path, map_location="cpu", weights_only=True)
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"{bin_path} is not a state dict ({type(e).__name__})") from None
+        tensors = isinstance(state, dict) and all(map(torch.is_tensor, state.values()))
+        names = tensors and all(isinstance(k, str) for k in state)
+        require(names, f"{bin_path} is not a state dict (names of tensors); {RELEASED_FIX}")
+        return state
     path = os.path.join(folder, "model.safetensors")
     require(os.path.isfile(path), f"{folder} has no weights: pytorch_model.bin, model.safetensors")
+    return read_safetensors(path)
+
+
+def read_safetensors(path) -> dict:
+    """A safetensors file read without a dependency, every field checked before a tensor is
+    made: an 8-byte little-endian header size n, a JSON header {name: {dtype, shape,
+    data_offsets}}, then the data, each tensor's bytes [start, end) its own."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
     n = int.from_bytes(data[:8], "little")
-    body = 8 + n  # where the tensors' bytes begin
+    body = 8 + n  # where the data begins
+    size = len(data) - body  # bytes of data
+    require(size >= 0, f"{path}: header size {n}: past the end of the file; {RELEASED_FIX}")
     try:
         header = json.loads(data[8:body])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    except ValueError:  # not UTF-8, not JSON
+        header = None
+    require(isinstance(header, dict), f"{path}: header: not a JSON object; {RELEASED_FIX}")
     header.pop("__metadata__", None)
-    weights = {}
+    spans = []
     for name, info in header.items():
-        start, end = info["data_offsets"]
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        unread = f"{path}: setdiff does not read {name} ({info['dtype']})"
-        require(dtype and end > start, unread)
-        raw = data[body + start : body + end]
-        tensor = torch.frombuffer(raw, dtype=dtype)
-        weights[name] = tensor.reshape(info["shape"])
+        info = info if isinstance(info, dict) else {}
+        kind = info.get("dtype")
+        dtype = SAFETENSORS_DTYPES.get(str(kind))
+        known = ", ".join(SAFETENSORS_DTYPES)
+        require(dtype, f"{path}: tensor {name}: dtype {kind!r}: setdiff reads {known} only")
+        shape = info.get("shape")
+        sizes = f"{path}: tensor {name}: shape {shape!r}: not a list of sizes"
+        require(natural_numbers(shape), sizes)
+        span = info.get("data_offsets")
+        count = math.prod(shape) * dtype.itemsize  # its bytes
+        fits = natural_numbers(span) and len(span) == 2 and span[1] - span[0] == count
+        bounds = f"not [start, start + {count}]: the bytes of its shape and dtype"
+        require(fits, f"{path}: tensor {name}: data_offsets {span!r}: {bounds}")
+        spans.append((*span, name, dtype, shape))
+    raw = torch.frombuffer(data, dtype=torch.uint8)
+    weights = {}
+    last = 0  # the end of the tensor before, in the file's order
+    for start, end, name, dtype, shape in sorted(spans):
+        where = f"overlaps another tensor or ends past the {size} bytes of data"
+        require(last <= start and end <= size, f"{path}: tensor {name}: data_offsets {where}")
+        last = end
+        tensor = raw[body + start : body + end].clone()  # aligned for its dtype
+        weights[name] = tensor.view(dtype).reshape(shape)
     return weights
+
+
+def natural_numbers(value) -> bool:
+    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
 
 
 # Export: a model trained here as the authors' released SetDLM folders (what load_released reads),
@@ -1372,8 +1452,8 @@ SPECIAL_IDS = ("vocab_size", "mask_id", "bos_id", "eos_id", "pad_id")  # Config'
 def save_released(model: SetDiffusionLM, tokenizer: Tokenizer, folder) -> list:
     """The model as a released SetDLM folder, in a new or empty `folder`: config.json, the
     weights under the authors' names (model.safetensors and pytorch_model.bin) and the
-    tokenizer's files, each written by write_file. What that format cannot express is refused.
-    -> the names of the files written."""
+    tokenizer's files, written by write_file as one folder: a failure leaves `folder` as it was.
+    What that format cannot express is refused. -> the names of the files written."""
     model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
     cfg = model.cfg
     if os.path.exists(folder):
@@ -1390,7 +1470,7 @@ def save_released(model: SetDiffusionLM, tokenizer: Tokenizer, folder) -> list:
     fits = all(getattr(cfg, k) == getattr(tokenizer, k) for k in SPECIAL_IDS)
     ids = "cannot export: the model's vocab size or special ids are not its tokenizer's"
     require(fits, f"{ids} (a released folder takes them from its tokenizer files)")
-    require_finite(model, "the model")
+    require_finite(model.state_dict(), "the model")
     files = released_tokenizer_files(tokenizer)
     state = released_state(model)
     files["model.safetensors"] = safetensors_bytes(state)
@@ -1398,10 +1478,8 @@ def save_released(model: SetDiffusionLM, tokenizer: Tokenizer, folder) -> list:
     torch.save(state, buffer)
     files["pytorch_model.bin"] = buffer.getvalue()
     spec = released_spec(cfg, tokenizer.kind)
-    files["config.json"] = json.dumps(spec, indent=2).encode()  # last: a folder with it is whole
-    os.makedirs(folder, exist_ok=True)
-    for name, data in files.items():
-        write_file(os.path.join(folder, name), data)
+    files["config.json"] = json.dumps(spec, indent=2).encode()
+    write_file(folder, files)
     return list(files)
 
 
@@ -1557,6 +1635,9 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
         how = torch.float32
         why_dtype = "bf16 is not known to be faster: experiments/train_bench.py"
     cores = os.cpu_count() or 1
+    # NOTE: bounded: torch crawls at thousands of threads and crashes at 10^5
+    many = f"--threads {threads}: at most {4 * cores} (4 x the {cores} cores); more only wait"
+    require(threads is None or threads <= 4 * cores, many)
     busy = 0
     if hasattr(os, "getloadavg"):  # not on Windows
         busy = round(os.getloadavg()[0])
@@ -1816,7 +1897,7 @@ class Tokenizer:
         """GPT-2 byte-level BPE: vocab.json {piece: id}, merges.txt one "a b" pair per line."""
         vocab = read_json(vocab_json, "GPT-2's vocab.json")
         not_gpt2 = f"{vocab_json} is not GPT-2's vocab.json: ids must be 0..n-1"
-        require(isinstance(vocab, dict), not_gpt2)
+        require(isinstance(vocab, dict) and natural_numbers([*vocab.values()]), not_gpt2)
         ids = sorted(vocab.values())
         require(ids == list(range(len(ids))), not_gpt2)
         text = read_text(merges_txt, "GPT-2's merges.txt")

@@ -5,6 +5,7 @@ the authors' description. CPU, tiny models, float32 unless exactness needs float
 Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametrize."""
 
 import contextlib
+import copy
 import errno
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -209,6 +211,11 @@ def chain_nll(model, row, revealed, span):
         "mask-is-eos": (dict(mask_id=258), "MASK must differ"),
         "pad-is-bos": (dict(pad_id=257), "PAD must differ"),
         "bos-outside-vocab": (dict(bos_id=300), "not in the vocab"),
+        "no-heads": (dict(n_head=0), r"n_head must be in \[1, 2\*\*20\], got 0"),
+        "L-past-2-16": (dict(seq_len=2**16 + 1), "at most 65536"),
+        "float-width": (dict(d_model=32.0), "d_model must be an integer, got 32.0"),
+        "string-set-size": (dict(set_size="3"), "set_size must be an integer, got '3'"),
+        "dropout-1": (dict(dropout=1), r"dropout must be in \[0, 1\), got 1"),
     },
 )
 def test_config_rejects_a_bad_setting(kw, match):
@@ -1277,6 +1284,7 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
     {
         "window-over-s": (dict(window=7), r"--window must be in \[1, 6\]"),
         "prompt-over-L": (dict(prompt=torch.arange(30)), "--prompt is 31 tokens"),
+        "prompt-fills-L": (dict(prompt=torch.arange(23)), "is 24 tokens .* L=24: shorten it"),
         "too-many-new": (dict(prompt=torch.arange(10), max_new_tokens=20), "--max-new-tokens"),
         "infill-without-mask": (dict(infill=torch.arange(10)), "--infill has no MASK"),
         "prompt-with-mask": (dict(prompt=[1, 259]), "contains MASK"),
@@ -1295,6 +1303,28 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
 def test_generate_rejects_a_bad_argument(kw, match):
     with pytest.raises(ValueError, match=match):
         generate(tiny_model(), **kw)
+
+
+def test_generate_writes_one_token_when_asked_for_one():
+    out = generate(tiny_model(), prompt=[5, 6], max_new_tokens=1, generator=gen(0))
+    assert out.reveal_call.tolist() == [[setdiff.GIVEN] * 3 + [0]]  # BOS, prompt, one token
+
+
+def bound_of(model):
+    return elbo(model, random_rows(model.cfg, 2), generator=gen(0))
+
+
+def sample_of(model):
+    return generate(model, batch_size=2, generator=gen(0))
+
+
+@table("run", {"elbo": bound_of, "generate": sample_of})
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_scoring_and_sampling_leave_the_mode_as_they_found_it(run, training):
+    """A training run that scores validation keeps its dropout; a loaded model stays in eval."""
+    model = tiny_model(dropout=0.5).train(training)
+    run(model)
+    assert {m.training for m in model.modules()} == {training}
 
 
 def eos_model():
@@ -1509,6 +1539,32 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
     with pytest.raises(ValueError, match=BAD_CHECKPOINTS[name]):
         load_checkpoint(tmp_path / name)
+
+
+DISAGREE = r"in the file, .* by the config; the weights do not fit the config: use"
+
+
+@table(
+    "field,value,match",
+    {  # an edited config, written with a new digest -> the refusal (before any allocation)
+        "no-heads": (
+            "n_head",
+            0,
+            r"ckpt.pt: its config does not match this setdiff.py: n_head must be in \[1, 2\*\*20\], got 0",
+        ),
+        "huge-width": ("d_model", 2**20, r"proj.weight: \(32, 32\) in the file, \(1048576,"),
+        "million-blocks": ("n_layer", 10**6, "n_layer 1000000: more blocks than weights"),
+        "more-blocks": ("n_layer", 3, r"weight blocks\.2\.\S+: missing in the file"),
+        "fewer-blocks": ("n_layer", 1, r"weight blocks\.1\.\S+: \(.*\) in the file, none by"),
+        "other-vocab": ("vocab_size", 300, DISAGREE),
+    },
+)
+def test_load_refuses_a_checkpoint_whose_config_was_edited(tmp_path, field, value, match):
+    _, path = saved(tmp_path)
+    ckpt = load_checkpoint(path)[2]
+    setdiff.write_checkpoint(path, ckpt | {"config": ckpt["config"] | {field: value}})
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(path)
 
 
 # Released models: folders written here as the authors' code writes them, and their log-probs
@@ -1791,6 +1847,12 @@ def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
         "extra-backbone-weight": ({"backbone.extra.weight": torch.zeros(2)}, "do not fit"),
         "weight-outside-backbone": ({"sigma_map.weight": torch.zeros(2)}, "unknown weight"),
         "non-finite": ({"backbone.output_layer.norm_final.weight": torch.ones(16) / 0}, "ln_f"),
+        "other-shape": (
+            {"backbone.vocab_embed.embedding": torch.zeros(24, 8)},
+            r"tok_emb.weight: \(24, 8\) in the file, \(24, 16\) by the config",
+        ),
+        "a-number": ({"backbone.blocks.0.norm1.weight": 1.0}, "not a state dict"),
+        "a-name-not-text": ({7: torch.zeros(2)}, "not a state dict"),
     },
 )
 def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
@@ -1828,6 +1890,189 @@ def test_a_released_schedule_shape_k_or_b_is_refused(tmp_path, key):
 def test_load_refuses_a_folder_without_config_json(tmp_path):
     with pytest.raises(ValueError, match="folder without a config.json"):
         load_checkpoint(tmp_path)
+
+
+DELETE = "(the field deleted)"
+
+
+def set_field(tree, keys, value):
+    """tree with tree[k0][k1]... = value (DELETE: removed); no keys: value replaces tree."""
+    if not keys:
+        return value
+    inner = tree
+    for key in keys[:-1]:
+        inner = inner[key]
+    if value == DELETE:
+        del inner[keys[-1]]
+    else:
+        inner[keys[-1]] = value
+    return tree
+
+
+def safetensors_parts(path):
+    """-> (the JSON header, the data after it) of a safetensors file."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_header(path, header, data):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+E = "backbone.vocab_embed.embedding"  # export_model's (24, 32) float32: bytes [0, 3072)
+PAST = "data_offsets overlaps another tensor or ends past the"
+
+
+@table(
+    "keys,value,match",
+    {  # a field of model.safetensors's header -> the refusal
+        "header-a-list": ((), [E], "safetensors: header: not a JSON object"),
+        "entry-a-number": ((E,), 7, f"tensor {E}: dtype None"),
+        "no-dtype": ((E, "dtype"), DELETE, "dtype None: setdiff reads F32, F16, BF16, I64, BOOL"),
+        "unknown-dtype": ((E, "dtype"), "F64", "dtype 'F64'"),
+        "shape-a-string": ((E, "shape"), "24x32", "shape '24x32': not a list of sizes"),
+        "negative-shape": ((E, "shape"), [-24, -32], "shape"),
+        "shape-not-the-bytes": ((E, "shape"), [3, 3], r"\[0, 3072\]: not \[start, start \+ 36\]"),
+        "no-offsets": ((E, "data_offsets"), DELETE, "data_offsets None"),
+        "one-offset": ((E, "data_offsets"), [3072], r"data_offsets \[3072\]"),
+        "negative-offsets": ((E, "data_offsets"), [-8, 3064], r"data_offsets \[-8, 3064\]"),
+        "offsets-past-the-end": ((E, "data_offsets"), [10**9, 10**9 + 3072], PAST),
+        "offsets-overlapping": ((E, "data_offsets"), [4, 3076], PAST),
+        "shape-of-another-model": ((E, "shape"), [32, 24], r"\(32, 24\) in the file, \(24, 32\)"),
+    },
+)
+def test_load_refuses_a_malformed_safetensors_field(exported, keys, value, match):
+    folder = exported[1]
+    (folder / "pytorch_model.bin").unlink()  # model.safetensors is read
+    header, data = safetensors_parts(folder / "model.safetensors")
+    write_header(folder / "model.safetensors", set_field(header, keys, value), data)
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(folder)
+
+
+@table(
+    "data,match",
+    {  # the bytes of model.safetensors -> the refusal
+        "empty": (b"", "header size 0: past the end of the file"),
+        "header-past-the-end": (struct.pack("<Q", 99) + b"{}", "header size 99: past the end"),
+        "header-not-json": (struct.pack("<Q", 2) + b"{x", "header: not a JSON object"),
+        "header-not-utf-8": (struct.pack("<Q", 2) + b"\xff\xfe", "header: not a JSON object"),
+    },
+)
+def test_load_refuses_a_malformed_safetensors_file(exported, data, match):
+    (exported[1] / "pytorch_model.bin").unlink()
+    (exported[1] / "model.safetensors").write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(exported[1])
+
+
+@table(
+    "keys,value,match",
+    {  # a config.json field -> the refusal, naming the field as the file does
+        "no-heads": (("backbone_config", "n_heads"), 0, r"n_head must be in \[1, 2\*\*20\], got 0"),
+        "huge-width": (("backbone_config", "hidden_size"), 2**20, DISAGREE),
+        "million-blocks": (("backbone_config", "num_layers"), 10**6, "n_layer 1000000: more"),
+        "huge-length": (("length",), 10**9, "L must be at most 65536"),
+        "dropout-2": (("backbone_config", "dropout"), 2.0, "dropout must be in"),
+        "no-mask-id": (("mask_token_id",), DELETE, "lacks a field .*'mask_token_id'"),
+        "d-0": (("noise_config", "desired_block_size"), 0, "the set size d must be in"),
+        "noise-config-a-list": (("noise_config",), [], "noise_config: missing or not an object"),
+        "not-an-object": ((), [], "config.json: not a JSON object"),
+        "other-vocab": (("backbone_config", "vocab_size"), 25, "tokenizer files do not fit"),
+        "architectures-a-number": (("architectures",), 5, r"an unknown model \(\?"),
+    },
+)
+def test_load_refuses_a_malformed_config_json(exported, keys, value, match):
+    spec = set_field(config_of(exported[1]), keys, value)
+    (exported[1] / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(exported[1])
+
+
+REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf, 0, -1, -(10**9), 10**12, 10**30]
+
+
+def json_slots(tree, keys=()):
+    """The key path of every value inside a JSON tree of dicts and lists."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in items:
+        yield (*keys, key)
+        if isinstance(value, (dict, list)):
+            yield from json_slots(value, (*keys, key))
+
+
+def mutate_json(tree, rng):
+    """A copy of tree with one random value deleted, retyped, or made huge, negative or 0."""
+    keys = rng.choice(list(json_slots(tree)))
+    return set_field(copy.deepcopy(tree), keys, rng.choice(REPLACEMENTS))
+
+
+def flip_bytes(path, rng):
+    data = bytearray(path.read_bytes())
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    path.write_bytes(data)
+
+
+def fuzz_folder(tmp_path):
+    """A released folder of ~1,300 weights (no .bin: its safetensors file is read), and its
+    mutation: a config.json field, a safetensors header field, or a few bits of a file."""
+    folder = tmp_path / "tiny"
+    model = export_model(seq_len=8, set_size=2, n_layer=1, d_model=8)
+    setdiff.save_released(model, WORDPIECE, folder)
+    (folder / "pytorch_model.bin").unlink()
+
+    def mutate(rng):
+        kind = rng.randrange(3)
+        if kind == 0:
+            spec = mutate_json(config_of(folder), rng)
+            (folder / "config.json").write_text(json.dumps(spec))
+        elif kind == 1:
+            header, data = safetensors_parts(folder / "model.safetensors")
+            write_header(folder / "model.safetensors", mutate_json(header, rng), data)
+        else:
+            flip_bytes(rng.choice(sorted(folder.iterdir())), rng)
+
+    return folder, mutate
+
+
+def fuzz_checkpoint(tmp_path):
+    """A checkpoint, and its mutation: a config field (written with a new digest), or bits."""
+    path = tmp_path / "tiny.pt"
+    setdiff.save_checkpoint(path, tiny_model(n_layer=1, d_model=8), BYTES)
+    ckpt = load_checkpoint(path)[2]
+
+    def mutate(rng):
+        if rng.randrange(2):
+            flip_bytes(path, rng)
+        else:
+            setdiff.write_checkpoint(path, ckpt | {"config": mutate_json(ckpt["config"], rng)})
+
+    return path, mutate
+
+
+@table("make", {"released-folder": fuzz_folder, "checkpoint": fuzz_checkpoint})
+def test_fuzzed_files_load_or_are_refused_in_one_line(tmp_path, make):
+    """300 seeded mutations: each loads with finite weights or raises our one-line ValueError;
+    any other exception (or a config whose sizes allocate past the file) fails the test."""
+    path, mutate = make(tmp_path)
+    files = {p: p.read_bytes() for p in [path, *path.glob("*")] if p.is_file()}
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(300):
+        for p, data in files.items():
+            p.write_bytes(data)
+        mutate(rng)
+        try:
+            weights = load_checkpoint(path)[0].state_dict()
+        except ValueError as e:
+            assert "\n" not in str(e), str(e)
+            refused += 1
+            continue
+        assert all(w.isfinite().all() for w in weights.values())
+    assert 0 < refused < 300  # both outcomes met
 
 
 # Export: a model trained here written as a released folder (save_released), then read back by
@@ -2035,6 +2280,37 @@ def test_export_refuses_a_path_that_holds_something_and_keeps_it(tmp_path, name)
     assert mine.read_text() == "mine"
 
 
+def stops_at_the_second_file(error):
+    """open() for setdiff: the first file is written, the second stops part-way with `error`."""
+    opened = []
+
+    def fake_open(path, mode="r"):
+        opened.append(path)
+        f = io.open(path, mode)
+        if len(opened) == 2:
+            f.write(b"partial")
+            f.close()
+            raise error
+        return f
+
+    return fake_open
+
+
+@table("error", {"disk-full": OSError(errno.ENOSPC, "full"), "ctrl-c": KeyboardInterrupt()})
+@pytest.mark.parametrize("empty_before", [False, True], ids=["new", "empty"])
+def test_an_export_stopped_part_way_leaves_the_folder_as_it_was(
+    tmp_path, monkeypatch, empty_before, error
+):
+    folder = tmp_path / "out"
+    if empty_before:
+        folder.mkdir()
+    monkeypatch.setattr(setdiff, "open", stops_at_the_second_file(error), raising=False)
+    with pytest.raises(type(error)):  # ENOSPC: "could not write ...: the disk is full"
+        setdiff.save_released(export_model(), WORDPIECE, folder)
+    assert os.listdir(tmp_path) == ["out"] * empty_before  # no temporary folder beside it
+    assert not empty_before or os.listdir(folder) == []
+
+
 # ---- text -> rows ---------------------------------------------------------------------------
 DOC = b"def f():\r\n    return 1\n\n<|endoftext|>\n\n  x = f()\n"
 
@@ -2114,6 +2390,12 @@ def tok(tmp_path):
         "bom": ("x\ufeffy", "x ##y"),
         "next-line": ("x\x85y", "x ##y"),
         "replacement-char": ("x\ufffdy", "x ##y"),
+        # The reference's older Unicode tables, by hand: newer marks and punctuation are letters
+        # there (a word goes on through them), U+166D was punctuation, U+1734 a non-spacing mark.
+        "newer-punctuation-is-a-letter": ("x\u2e52y", "[UNK]"),  # this Python's Po
+        "newer-mark-is-a-letter": ("x\u0898", "[UNK]"),  # this Python's Mn: dropped
+        "symbol-once-punctuation": ("x\u166dy", "x [UNK] y"),  # this Python's So
+        "spacing-mark-once-non-spacing": ("x\u1734y", "x ##y"),  # this Python's Mc: kept
         "whitespace": (
             "hello\tworld\nthe\r\nx\u00a0y\u3000the\u2003the  ",
             "hello world the x y the the",
@@ -3251,6 +3533,8 @@ def assert_the_older_run_is_kept():
         "cache-dir": (["--cache-dir", "corpus.txt"], "--cache-dir corpus.txt: "),
         "negative-lr": (["--lr", "-1"], "--lr: must be at least 0"),
         "max-set-size-of-block": (["--order", "block", "--max-set-size", "8"], "--max-set-size"),
+        "threads-100000": (["--threads", "100000"], "--threads 100000: at most"),
+        "seed-past-2-64": (["--seed", str(2**64)], "--seed: must be in [0, 18446744073709551616)"),
     },
 )
 def test_train_bad_input_is_one_line_and_exit_2(bad_inputs, capsys, flags, needle):
@@ -3768,6 +4052,31 @@ def test_export_writes_a_folder_that_samples_as_its_checkpoint(tmp_path, capsys)
     assert texts_of(from_dir) == texts_of(from_ckpt)
 
 
+@table(
+    "script,said",
+    {
+        "sample": ("sample.py", "interrupted\n"),
+        "train_small": (
+            "train_small.py",
+            "\ninterrupted (outside the training steps: nothing new to save)\n",
+        ),
+    },
+)
+def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(script, said):
+    """SIGINT once libtorch is mapped (inside `import torch`, a second before main) ends the
+    script as a later Ctrl-C does."""
+    cmd = [sys.executable, script, "--help"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while proc.poll() is None and "libtorch" not in maps.read_text():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert (proc.returncode, err) == (130, said)
+
+
 VAL_STREAM = [i for line in VAL_TEXT for i in BYTES.encode(line) + [EOS]]
 
 
@@ -3869,11 +4178,15 @@ def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
         "export-bytes": ("{st} --export {d}/exported", "cannot export the bytes tokenizer"),
         "export-into-a-full-folder": ("{st} --export {d}", "exists and is not an empty folder"),
         "export-and-eval": ("{st} --export {d}/exported --eval", "not allowed"),
+        "threads-100000": ("{st} --threads 100000", "--threads 100000: at most"),
+        "seed-past-2-64": ("{st} --seed " + "9" * 23, "--seed: must be below 18446744073709551616"),
+        "negative-seed": ("{st} --seed -1", "--seed: must be at least 0"),
+        "export-no-name": ("{st} --export ''", "--export '': give the name of the folder"),
     },
 )
 def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
     st = f"--ckpt {ckpts}/st.pt"
-    args = argv.format(d=ckpts, st=st).split()
+    args = shlex.split(argv.format(d=ckpts, st=st))
     code, _, err = run_sample(capsys, *args)
     assert code == 2
     assert err.startswith("error: "), err

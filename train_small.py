@@ -12,33 +12,40 @@ on all 50 news.en.heldout-* shards (sample.py --eval). Exit codes: 0 done, 2 a u
 against plain AR: experiments/train_bench.py.
 """
 
-import argparse
-import ast
-import contextlib
-import copy
-import datetime
-import functools
-import glob
-import hashlib
-import itertools
-import json
-import math
-import multiprocessing
-import os
-import re
-import signal
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
+# Ctrl-C before main (torch loads for a second or more): the line main prints, and exit 130
+STOPPED = "interrupted (outside the training steps: nothing new to save)"
+try:
+    import argparse
+    import ast
+    import contextlib
+    import copy
+    import datetime
+    import functools
+    import glob
+    import hashlib
+    import itertools
+    import json
+    import math
+    import multiprocessing
+    import os
+    import re
+    import signal
+    import time
+    from dataclasses import dataclass
+    from pathlib import Path
 
-import setdiff
-from setdiff import Config, SetDiffusionLM, Tokenizer, require
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import setdiff
+    from setdiff import Config, SetDiffusionLM, Tokenizer, require
+except KeyboardInterrupt:
+    print(f"\n{STOPPED}", file=sys.stderr)
+    sys.exit(130)
 
 # ---- Presets: every hyperparameter of a run; a flag given wins ------------------------------
 # cpu (the default) learns visibly on a laptop's CPU; lm1b is the paper's recipe (132M
@@ -412,9 +419,8 @@ def build_parser() -> Parser:
     add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast")
     add("--compile", action="store_true", help="torch.compile the training step")
     add("--threads", type=positive, help="CPU threads (default: the cores other work leaves)")
-    add(
-        "--seed", type=natural, default=0, help="of weights, batches, orders, dropout (%(default)s)"
-    )
+    seeds = within(0, 2**64, kind=int)  # torch.manual_seed's
+    add("--seed", type=seeds, default=0, help="of weights, batches, orders, dropout (%(default)s)")
     return p
 
 
@@ -910,7 +916,7 @@ def main(argv=None) -> int:
         print(f"error: another process stopped, so this one did ({why})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the training steps: the data work or the sample
-        print("\ninterrupted (outside the training steps: nothing new to save)", file=sys.stderr)
+        print(f"\n{STOPPED}", file=sys.stderr)
         return 130
     finally:
         if dist.is_initialized():
