@@ -1,5 +1,6 @@
 """The first minutes on a GPU, measured rather than debugged: the CUDA tests; train_small's own
-training step of --preset lm1b, eager and compiled (seconds, tokens/s, peak memory, MFU); the row
+training step of --preset lm1b, eager and compiled (seconds, tokens/s, peak memory, MFU, dense and
+over live pairs; a profile of the compiled step's kernels and host time); the row
 loader against a 0.2 s step; the sampler on the 132M network beside a plain KV-cached causal
 decoder, eager and compiled (tokens/s, share of the memory-bandwidth bound, compile seconds);
 the cache's exactness on CUDA. Sized for minutes on an H100-class GPU. One table; the
@@ -176,11 +177,40 @@ def train_speed(flags, backend, repeats) -> list:
     peak = math.nan
     if cuda:
         peak = torch.cuda.max_memory_allocated(run.device) / 2**30
-    flops = 3 * sum(forward_flops(run.cfg, run.G).values())  # backward ~ 2 forwards
-    mfu = flops / seconds / peak_flops(device_name(run.device))
+    parts = forward_flops(run.cfg, run.G)
+    flops = 3 * sum(parts.values())  # backward ~ 2 forwards
+    peak_per_s = peak_flops(device_name(run.device))
+    mfu = flops / seconds / peak_per_s
+    # the same count over the live (query, key) pairs only: a quarter of the 2L x 2L
+    live = setdiff.set_causal_mask(run.cfg.seq_len).double().mean().item()
+    live_flops = flops - 3 * (1 - live) * parts["attention"]
     speed = run.G * run.cfg.seq_len / seconds  # data tokens, as train_small reports them
     row = dict(part="train", variant=variant, seconds=seconds, tokens_per_s=speed)
-    return [row | dict(peak_gib=peak, mfu=mfu, tflop_per_step=flops / 1e12)]
+    row |= dict(peak_gib=peak, mfu=mfu, mfu_live_pairs=live_flops / seconds / peak_per_s)
+    rows = [row | dict(tflop_per_step=flops / 1e12)]
+    if backend:  # what the compiled step's time goes to
+        profile = kernel_profile(one_step, cuda, seconds)
+        rows.append(dict(part="profile", variant=variant, seconds=seconds) | profile)
+    return rows
+
+
+def kernel_profile(work, cuda, seconds, top=8) -> dict:
+    """One more call of `work` under torch.profiler: the top kernels by device time (in
+    --dry-run, the CPU's operators by their own time), each with its share of all kernels' time,
+    and host_s: a step's `seconds` beyond its kernels, the time the device waits for the host."""
+    kinds = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        kinds.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=kinds) as prof:
+        work(-1)
+    busy = {}
+    for event in prof.key_averages():
+        own = event.self_device_time_total if cuda else event.self_cpu_time_total
+        busy[event.key] = own / 1e6  # seconds
+    total = sum(busy.values())
+    names = sorted(busy, key=busy.get, reverse=True)[:top]
+    shares = {name: busy[name] / total for name in names}
+    return dict(kernel_s=total, host_s=seconds - total, top_kernels=shares)
 
 
 def loader_speed(folder, args, cfg, device, n, repeats):
