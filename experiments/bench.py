@@ -38,7 +38,9 @@ def causal_mask(cache, n):
 
 
 @torch.inference_mode()
-def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None, **kw):
+def plain_decoder(
+    model, prompt, new_tokens, temperature=0.0, top_p=1.0, generator=None, compile=False
+):
     """The peer a user would pick instead: a causal decoder with a KV cache on the same network
     and cache, the prompt (B, P) in one causal call, then one token a call (`compile`: compiled
     as generate() compiles its calls). For timing only: a set model predicts from
@@ -47,20 +49,23 @@ def plain_decoder(model, prompt, new_tokens, temperature=0.0, top_p=1.0, generat
     B, P = prompt.shape
     start = time.perf_counter()
     T = P + new_tokens
-    cache = setdiff.KVCache(model.cfg, B, T, max_call=P + 1, device=device)  # a spare slot
-    rows = torch.cat([prompt, torch.zeros(B, new_tokens, dtype=torch.long)], 1).to(device)
-    u = torch.rand(T, B, 1, generator=generator, dtype=torch.float64)  # drawn as generate's
+    slots = P + 1  # the prompt's call, and a spare slot
+    cache = setdiff.KVCache(model.cfg, B, T, max_call=slots, device=device)
+    blank = torch.zeros(B, new_tokens, dtype=torch.long)
+    rows = torch.cat([prompt, blank], 1).to(device)
+    # a run's uniforms drawn at once, as generate's
+    u = torch.rand(T, B, 1, generator=generator, dtype=torch.float64)
     u = setdiff.upload(u, device)
     sampling = (temperature, top_p)
     last = torch.full((B, 1), P - 1, device=device)  # the position of the call's last token
     positions = torch.arange(P, device=device).expand(B, P)
     plain_call(model, rows, cache, last, u, sampling, positions)  # the first call: the prompt
     step = plain_call
-    if kw.get("compile"):  # True, or a torch.compile backend's name
+    if compile:  # True, or a torch.compile backend's name
         setdiff.fixed_addresses(cache)
         for t in (rows, last, u):
             torch._dynamo.mark_static_address(t)
-        backend = "inductor" if kw["compile"] is True else kw["compile"]
+        backend = "inductor" if compile is True else compile
         step = setdiff.compiled(plain_call, backend)
     for _ in range(new_tokens - 1):  # the token at position p is stored at slot p
         step(model, rows, cache, last, u, sampling)
@@ -101,7 +106,8 @@ def variants(cfg, sampling, compile=False):
     for label, w in windows.items():
         for tau in THRESHOLDS:
             name = f"w={label}={w}, tau={tau:g}"
-            out[name] = dict(window=w, threshold=tau, compile=compile, **sampling)
+            options = dict(window=w, threshold=tau, compile=compile)
+            out[name] = options | sampling
     return out
 
 
@@ -162,7 +168,8 @@ def timed_rounds(model, samplers, sizes, repeats, plain):
         median = statistics.median(timed)
         spread = max(timed) / min(timed)
         warmup = runs[0] - median
-        timings[key] = (out.tokens_per_call, new_tokens / median, spread, warmup)
+        speed = new_tokens / median
+        timings[key] = (out.tokens_per_call, speed, spread, warmup)
     return timings
 
 
@@ -200,7 +207,10 @@ def conclusions(B, samplers, timings):
     for name in names[2:]:
         label = name.split(", ")[0]  # "w=d=4": the window's name and size
         groups.setdefault(label, []).append(name)
-    mine = {name: t for (name, b), t in timings.items() if b == B}
+    mine = {}
+    for (name, b), timing in timings.items():
+        if b == B:
+            mine[name] = timing
     lines = []
     for label, group in groups.items():
         text = verdict(label, group, mine)
@@ -221,7 +231,8 @@ def print_table(samplers, sizes, timings):
 
 
 def bench(args, command):
-    device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads)
+    where = (args.device, args.dtype, args.threads)
+    device, dtype, how = setdiff.runtime(*where)
     print(f"# experiments/bench.py\ncommand: {command}\ntorch {torch.__version__}\n{how}")
     sizes = args.batch_sizes
     repeats = args.repeats
@@ -258,11 +269,13 @@ def main(argv=None):
     add = p.add_argument
     add("--ckpt", required=True, help="train_small.py's checkpoint, or a released model's folder")
     add("--repeats", type=int, default=3, help="timed rounds after the warm-up (3)")
-    add("--batch-sizes", type=int, nargs="+", default=[1, 16], metavar="B", help="(1 16)")
+    sizes = dict(type=int, nargs="+", default=[1, 16], metavar="B")
+    add("--batch-sizes", help="(1 16)", **sizes)
     add("--temperature", type=float, default=1.0, help="of the plain and tau rows (1)")
     add("--top-p", type=float, default=1.0, help="of the plain and tau rows (1: off)")
     add("--device", help="cpu, cuda, cuda:N or mps (default: the first of cuda, mps, cpu)")
-    add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast (auto)")
+    dtypes = ["auto", "float32", "bfloat16"]
+    add("--dtype", choices=dtypes, default="auto", help="autocast (auto)")
     add("--threads", type=int, help="CPU threads (default: the cores other work leaves idle)")
     add("--compile", action="store_true", help="torch.compile the plain and the cached calls")
     args = p.parse_args(argv)

@@ -182,7 +182,8 @@ def train_speed(flags, backend, repeats) -> list:
     peak_per_s = peak_flops(device_name(run.device))
     mfu = flops / seconds / peak_per_s
     # the same count over the live (query, key) pairs only: a quarter of the 2L x 2L
-    live = setdiff.set_causal_mask(run.cfg.seq_len).double().mean().item()
+    mask = setdiff.set_causal_mask(run.cfg.seq_len)
+    live = mask.double().mean().item()
     live_flops = flops - 3 * (1 - live) * parts["attention"]
     speed = run.G * run.cfg.seq_len / seconds  # data tokens, as train_small reports them
     row = dict(part="train", variant=variant, seconds=seconds, tokens_per_s=speed)
@@ -251,7 +252,8 @@ def sampler_model(cfg, device):
     with torch.device(device):
         model = setdiff.SetDiffusionLM(cfg)
     g = torch.Generator(device).manual_seed(0)
-    torch.nn.init.normal_(model.head.weight, std=1.0, generator=g)
+    head = model.head.weight
+    torch.nn.init.normal_(head, std=1.0, generator=g)
     return model.eval()
 
 
@@ -271,7 +273,8 @@ def sampler_speed(cfg, device, dtype, sizes, repeats, backend) -> list:
     how = f"compiled ({backend})" if compile else "eager"
     hbm = peak_flops(device_name(device), HBM_BYTES)
     rows = []
-    for (name, B), (per_call, speed, spread, warmup) in timings.items():
+    for (name, B), timing in timings.items():
+        per_call, speed, spread, warmup = timing
         call_bytes = bytes_a_call(model, B, dtype)
         bound = B * per_call * hbm / call_bytes  # tokens/s if a call took its reads' time
         row = dict(part="sampler", variant=f"{how} {name}, batch {B}", tokens_per_s=speed)
@@ -321,7 +324,10 @@ def print_table(rows) -> None:
             seconds = f"{row['seconds']:.4g}"
         if "tokens_per_s" in row:
             speed = f"{row['tokens_per_s']:,.0f}"
-        more = [cell(k, v) for k, v in row.items() if k not in shown]
+        more = []
+        for key, value in row.items():
+            if key not in shown:
+                more.append(cell(key, value))
         cells = [row["part"], row["variant"], seconds, speed, ", ".join(more)]
         print(f"| {' | '.join(cells)} |")
 
