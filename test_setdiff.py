@@ -1476,6 +1476,12 @@ def saved(tmp_path):
     return model, path
 
 
+def load_refused(path, match):
+    """load_checkpoint(path) raises our ValueError, its message matching `match`."""
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(path)
+
+
 def test_checkpoint_round_trips_config_tokenizer_weights_and_extras(tmp_path):
     model, path = saved(tmp_path)
     loaded, tok, ckpt = load_checkpoint(path)
@@ -1537,8 +1543,7 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
     weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
     setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
-    with pytest.raises(ValueError, match=BAD_CHECKPOINTS[name]):
-        load_checkpoint(tmp_path / name)
+    load_refused(tmp_path / name, BAD_CHECKPOINTS[name])
 
 
 DISAGREE = r"in the file, .* by the config; the weights do not fit the config: use"
@@ -1563,8 +1568,7 @@ def test_load_refuses_a_checkpoint_whose_config_was_edited(tmp_path, field, valu
     _, path = saved(tmp_path)
     ckpt = load_checkpoint(path)[2]
     setdiff.write_checkpoint(path, ckpt | {"config": ckpt["config"] | {field: value}})
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(path)
+    load_refused(path, match)
 
 
 # Released models: folders written here as the authors' code writes them, and their log-probs
@@ -1722,6 +1726,18 @@ def authors_nll(sd, H, x, order, mask_id):
     return -logp.gather(-1, clean[..., None])[..., 0]
 
 
+def safetensors_parts(path):
+    """-> (the JSON header, the data after it) of a safetensors file."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_header(path, header, data):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
 def write_safetensors(path, tensors):
     """The safetensors layout by hand: an 8-byte little-endian header size, a JSON header, bytes."""
     names = {torch.float32: "F32", torch.bool: "BOOL"}
@@ -1734,8 +1750,7 @@ def write_safetensors(path, tensors):
         header[name] = dict(dtype=names[t.dtype], shape=list(t.shape), data_offsets=[offset, end])
         blobs.append(blob)
         offset = end
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_header(path, header, b"".join(blobs))
 
 
 def lm1b_folder(tmp_path, weights="bin", L=16, d=4, changes=None, noise=None, **backbone):
@@ -1763,8 +1778,8 @@ def released(tmp_path, request):
     return lm1b_folder(tmp_path, request.param)
 
 
-def lm1b_rows():
-    x = torch.randint(5, len(VOCAB), (3, 16), generator=gen(0))
+def vocab_rows(L=24):
+    x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
     x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
     return x
 
@@ -1789,7 +1804,7 @@ def test_a_released_lm1b_model_uses_cls_as_bos_and_eos(released):
 def test_a_released_model_matches_the_authors_forward(released):
     folder, sd = released
     model = load_checkpoint(folder)[0].eval()
-    x = lm1b_rows()
+    x = vocab_rows(16)
     order = sample_order(model.cfg, 3, gen(1))
     want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
     got = position_nll(model, x, order).float()  # position order
@@ -1799,7 +1814,7 @@ def test_a_released_model_matches_the_authors_forward(released):
 def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
     folder, sd = released
     model = load_checkpoint(folder)[0]
-    x = lm1b_rows()
+    x = vocab_rows(16)
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 3, gen(1)), 4)
     res = elbo(model, x, generator=gen(1))
     assert res.tokens_scored == 3 * 15  # the [CLS] ending a sentence is a target, slot 0 not
@@ -1837,8 +1852,7 @@ OTHER_MODELS = {  # config.json changes, backbone_config changes, the refusal
 @table("changes,net,match", OTHER_MODELS)
 def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
     folder, _ = lm1b_folder(tmp_path, changes=changes, **net)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @table(
@@ -1858,8 +1872,7 @@ def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
 def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
     folder, sd = lm1b_folder(tmp_path)
     torch.save(sd | extra, folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @table(
@@ -1875,21 +1888,18 @@ def test_load_refuses_a_broken_released_folder(tmp_path, name, content, match):
     (folder / name).unlink()
     if content:
         (folder / name).write_text(content)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @pytest.mark.parametrize("key", ["k", "b"])
 def test_a_released_schedule_shape_k_or_b_is_refused(tmp_path, key):
     """The authors' schedule takes k (or b) from noise_config; setdiff derives them from d, s."""
     folder, _ = lm1b_folder(tmp_path, noise={"k": None, "b": None, key: 0.5})
-    with pytest.raises(ValueError, match=f"noise_config sets {key}:"):
-        load_checkpoint(folder)
+    load_refused(folder, f"noise_config sets {key}:")
 
 
 def test_load_refuses_a_folder_without_config_json(tmp_path):
-    with pytest.raises(ValueError, match="folder without a config.json"):
-        load_checkpoint(tmp_path)
+    load_refused(tmp_path, "folder without a config.json")
 
 
 DELETE = "(the field deleted)"
@@ -1909,16 +1919,12 @@ def set_field(tree, keys, value):
     return tree
 
 
-def safetensors_parts(path):
-    """-> (the JSON header, the data after it) of a safetensors file."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8 : 8 + n]), data[8 + n :]
-
-
-def write_header(path, header, data):
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+@pytest.fixture
+def safetensors_only(exported):
+    """The exported folder without its .bin, so model.safetensors is read -> (folder, that file)."""
+    folder = exported[1]
+    (folder / "pytorch_model.bin").unlink()
+    return folder, folder / "model.safetensors"
 
 
 E = "backbone.vocab_embed.embedding"  # export_model's (24, 32) float32: bytes [0, 3072)
@@ -1943,13 +1949,11 @@ PAST = "data_offsets overlaps another tensor or ends past the"
         "shape-of-another-model": ((E, "shape"), [32, 24], r"\(32, 24\) in the file, \(24, 32\)"),
     },
 )
-def test_load_refuses_a_malformed_safetensors_field(exported, keys, value, match):
-    folder = exported[1]
-    (folder / "pytorch_model.bin").unlink()  # model.safetensors is read
-    header, data = safetensors_parts(folder / "model.safetensors")
-    write_header(folder / "model.safetensors", set_field(header, keys, value), data)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+def test_load_refuses_a_malformed_safetensors_field(safetensors_only, keys, value, match):
+    folder, path = safetensors_only
+    header, data = safetensors_parts(path)
+    write_header(path, set_field(header, keys, value), data)
+    load_refused(folder, match)
 
 
 @table(
@@ -1961,11 +1965,10 @@ def test_load_refuses_a_malformed_safetensors_field(exported, keys, value, match
         "header-not-utf-8": (struct.pack("<Q", 2) + b"\xff\xfe", "header: not a JSON object"),
     },
 )
-def test_load_refuses_a_malformed_safetensors_file(exported, data, match):
-    (exported[1] / "pytorch_model.bin").unlink()
-    (exported[1] / "model.safetensors").write_bytes(data)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(exported[1])
+def test_load_refuses_a_malformed_safetensors_file(safetensors_only, data, match):
+    folder, path = safetensors_only
+    path.write_bytes(data)
+    load_refused(folder, match)
 
 
 @table(
@@ -1987,8 +1990,7 @@ def test_load_refuses_a_malformed_safetensors_file(exported, data, match):
 def test_load_refuses_a_malformed_config_json(exported, keys, value, match):
     spec = set_field(config_of(exported[1]), keys, value)
     (exported[1] / "config.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(exported[1])
+    load_refused(exported[1], match)
 
 
 REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf, 0, -1, -(10**9), 10**12, 10**30]
@@ -2105,12 +2107,6 @@ def config_of(folder):
     return json.loads((folder / "config.json").read_text())
 
 
-def vocab_rows(L=24):
-    x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
-    x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
-    return x
-
-
 def test_an_export_writes_the_released_files(exported):
     names = ["config.json", "model.safetensors", "pytorch_model.bin", "vocab.txt"]
     assert sorted(exported[2]) == names
@@ -2156,11 +2152,9 @@ def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
 
 def read_safetensors(path):
     """A safetensors file by hand -> ({name: tensor}, header size, metadata, unclaimed bytes)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
+    header, body = safetensors_parts(path)
+    n = path.stat().st_size - 8 - len(body)
     meta = header.pop("__metadata__")
-    body = data[8 + n :]
     dtypes = {"F32": "<f4", "BOOL": "?"}
     tensors = {}
     for name, info in header.items():
@@ -3623,6 +3617,9 @@ def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
     assert len(bounds) == 2 and all("; threads: 2" in x for x in bounds)  # step 1, the best
 
 
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
 def test_torchrun_two_processes_match_one(tmp_path):
     """Two gloo processes, 4 rows each, train as one process on 8 rows."""
     write_corpus(tmp_path / "corpus.txt")
@@ -3630,9 +3627,8 @@ def test_torchrun_two_processes_match_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one_argv = run_argv(tmp_path, "one", "--global-batch", "8", *steps)
     one = python("train_small.py", *one_argv, env=env)
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two_argv = run_argv(tmp_path, "two", "--global-batch", "8", *steps)
-    two = python(*torchrun, "train_small.py", *two_argv, env=env)
+    two = python(*TORCHRUN, "train_small.py", *two_argv, env=env)
     # NOTE: one retry, for one cause only, outside setdiff: after all the run's work, gloo's
     # worker thread may still be releasing the last all-reduce's tensor while Python shuts down
     # (the process group outlives destroy_process_group); that tensor's release takes the GIL,
@@ -3641,7 +3637,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     # it too, about 1 run in 20 with both cores busy; rank 1 exits first, so it is rank 1.
     if "terminate called without an active exception" in two.stderr:
         shutil.rmtree(tmp_path / "two")
-        two = python(*torchrun, "train_small.py", *two_argv, env=env)
+        two = python(*TORCHRUN, "train_small.py", *two_argv, env=env)
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "4 per forward x 1 accumulation x 2 proc" in two.stdout
@@ -3674,10 +3670,9 @@ def test_torchrun_stops_every_process_when_one_fails(tmp_path):
     write_corpus(tmp_path / "corpus.txt")
     (tmp_path / "failing.py").write_text(FAILING_RANK)
     argv = run_argv(tmp_path, "two", "--global-batch", "8", "--max-steps", "6")
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     start = time.perf_counter()
-    out = python(*torchrun, str(tmp_path / "failing.py"), *argv, env=env, timeout=120)
+    out = python(*TORCHRUN, str(tmp_path / "failing.py"), *argv, env=env, timeout=120)
     assert time.perf_counter() - start < 60
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if "error: " in line]
