@@ -123,6 +123,9 @@ def on_device(inputs, device):
     return moved
 
 
+NO_BOS = dict(bos_id=None, pad_id=None)  # OWT-style rows: no BOS, and no PAD (EOS pads)
+
+
 def tiny_cfg(**kw):
     base = dict(seq_len=24, n_layer=2, n_head=2, d_model=32, dropout=0.0, set_size=3)
     return Config(**(base | kw))
@@ -344,7 +347,7 @@ def test_schedule_with_d_1_gives_the_identity_order():
     "kw",
     {
         "uniform": dict(order="uniform"),
-        "no-bos": dict(bos_id=None, pad_id=None),  # OWT rows: position 0 holds any token
+        "no-bos": NO_BOS,  # OWT rows: position 0 holds any token
     },
 )
 def test_orders_pin_position_0_first(kw):
@@ -1044,8 +1047,7 @@ on_grid = table("policy,decoding,start", {"-".join(c): c for c in GRID})
 def test_cached_generation_equals_cache_free(policy, decoding, start, device):
     a, _, _ = generated(policy, decoding, start, device=device)
     b, _, _ = generated(policy, decoding, start, False, device)
-    assert torch.equal(a.tokens, b.tokens)
-    assert torch.equal(a.reveal_call, b.reveal_call)
+    same_generation(a, b)
     assert a.calls == b.calls
 
 
@@ -1076,6 +1078,12 @@ def decode_order(reveal_call):
         pairs = sorted((c, p) for p, c in enumerate(row))
         rows.append([p for _, p in pairs])
     return torch.tensor(rows)
+
+
+def same_generation(a, b):
+    """Two generations wrote the same tokens in the same calls."""
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.reveal_call, b.reveal_call)
 
 
 @table(
@@ -1232,8 +1240,7 @@ def test_a_compiled_sampler_draws_the_eager_tokens(temperature, start, rows, win
     kw = dict(window=window, threshold=threshold, temperature=temperature)
     eager = generate(model, **inputs, **kw, generator=gen(3))
     compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert torch.equal(compiled.reveal_call, eager.reveal_call)
+    same_generation(compiled, eager)
 
 
 def test_the_cache_has_slots_for_the_longest_call_only(monkeypatch):
@@ -1372,8 +1379,7 @@ def eos_infill(use_cache=True):
 def test_stopping_at_eos_cached_equals_cache_free():
     _, _, a = eos_infill()
     _, _, b = eos_infill(use_cache=False)
-    assert torch.equal(a.tokens, b.tokens)
-    assert torch.equal(a.reveal_call, b.reveal_call)
+    same_generation(a, b)
 
 
 def test_stopping_at_eos_keeps_the_right_context():
@@ -1439,18 +1445,18 @@ def test_stop_at_first_eos_leaves_the_other_rows_alone():
 
 
 def test_stop_at_first_eos_without_pad_fills_with_eos():
-    _, x, _ = stop_eos_rows(bos_id=None, pad_id=None)
+    _, x, _ = stop_eos_rows(**NO_BOS)
     assert x[1] == hand_row("B 65 66 E E E 68 E")
 
 
 def test_without_bos_sampling_starts_a_document():
-    model = tiny_model(bos_id=None, pad_id=None)
+    model = tiny_model(**NO_BOS)
     out = generate(model, batch_size=2, temperature=0.0)
     assert torch.all(out.tokens[:, 0] == model.cfg.eos_id)  # like the authors' OWT samples
 
 
 def test_without_bos_a_prompt_starts_the_row():
-    model = tiny_model(bos_id=None, pad_id=None)
+    model = tiny_model(**NO_BOS)
     out = generate(model, prompt=[65, 66], temperature=0.0, max_new_tokens=3)
     assert out.tokens[0, :2].tolist() == [65, 66]
     assert out.tokens.shape == (1, 5)
@@ -2206,10 +2212,12 @@ def test_an_export_writes_max_block_size_as_s_and_reads_it_back(tmp_path, d, s, 
     assert load_checkpoint(tmp_path / "out")[0].cfg.max_set_size == s
 
 
+BPE_IDS = NO_BOS | dict(vocab_size=20, eos_id=18, mask_id=19)  # the bpe fixture's
+
+
 def gpt2_export(bpe, folder):
     """A tiny OWT-style model over the bpe fixture (no BOS, no PAD), exported -> the model."""
-    ids = dict(vocab_size=20, eos_id=18, mask_id=19)
-    model = tiny_model(bos_id=None, pad_id=None, **ids)
+    model = tiny_model(**BPE_IDS)
     setdiff.save_released(model, bpe, folder)
     return model
 
@@ -2327,7 +2335,7 @@ def test_documents_of_a_file(tokenizers, kind, data, docs, lines, bad):
     "kw,n",
     {
         "bos": (dict(), 22),  # [BOS] + L-2 tokens + [EOS]
-        "no-bos": (dict(bos_id=None, pad_id=None), 23),  # L tokens, position 0 given
+        "no-bos": (NO_BOS, 23),  # L tokens, position 0 given
     },
 )
 def test_text_per_row_leaves_out_bos_and_the_closing_eos(kw, n):
@@ -3041,6 +3049,11 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(same)
 
 
+def close_weights(a, b, atol):
+    close = [torch.allclose(a[k], b[k], atol=atol) for k in a]
+    return a.keys() == b.keys() and all(close)
+
+
 def same_run(a, b):
     """Two checkpoints hold the same raw and the same EMA weights."""
     raw = same_weights(a["train_model"], b["train_model"])
@@ -3312,8 +3325,7 @@ def test_compile_compiles_the_loss_and_keeps_the_weights(train_dir, run4, monkey
     assert compiled_modules == ["TrainStep"]  # the loss, as DDP and compile see it
     plain = ckpt_of(run4)["train_model"]
     compiled = ckpt_of(train_dir / "compiled")["train_model"]
-    close = [torch.allclose(plain[k], compiled[k], atol=1e-6) for k in plain]
-    assert all(close)
+    assert close_weights(plain, compiled, 1e-6)
 
 
 def copy_of(run4, name):
@@ -3647,8 +3659,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     np.testing.assert_allclose(two_loss, one_loss, rtol=1e-4)
     w1 = ckpt_of(tmp_path / "one")["train_model"]
     w2 = ckpt_of(tmp_path / "two")["train_model"]
-    close = [torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1]
-    assert all(close)
+    assert close_weights(w1, w2, 1e-5)
 
 
 FAILING_RANK = """
@@ -3818,10 +3829,17 @@ def ckpts(tmp_path_factory):
         model = letters_model(order, eos_first=name == "eos")
         setdiff.save_checkpoint(d / f"{name}.pt", model, BYTES, step=7, val_rows=rows)
     setdiff.save_checkpoint(d / "noval.pt", letters_model(), BYTES)
-    owt = letters_model(bos_id=None, pad_id=None)
+    owt = letters_model(**NO_BOS)
     setdiff.save_checkpoint(d / "owt.pt", owt, BYTES, val_rows=val)
     setdiff.save_checkpoint(d / "l40.pt", letters_model(seq_len=40), BYTES)
     return d
+
+
+def one_error_line(err, needle):
+    """stderr is ONE line 'error: ...' that says `needle`, no traceback."""
+    assert err.startswith("error: "), err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
 
 
 def run_sample(capsys, *argv):
@@ -4108,11 +4126,18 @@ def test_eval_without_pad_leaves_the_tail_out_and_says_so(ckpts, capsys):
     """No PAD (as OWT): L-token rows, position 0 given; the tail is in no row."""
     out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", "--eval", ckpts / "val.txt")
     rows, rest = wrapped_by_hand(VAL_STREAM, None, None)
-    model = letters_model(bos_id=None, pad_id=None)
+    model = letters_model(**NO_BOS)
     res = elbo(model, rows, generator=gen(0))
     assert f"val {res.line(len(rows) * (L - 1))}" in out
     assert len(rest) > 0
     assert f"not scored: the text's last {len(rest)} tokens (~{len(rest)} bytes)" in out
+
+
+def gpt2_letters(bpe, tmp_path):
+    """A letters_model over the bpe fixture's ids, saved -> (model, its checkpoint)."""
+    model = letters_model(**BPE_IDS)
+    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
+    return model, tmp_path / "owt.pt"
 
 
 def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
@@ -4120,10 +4145,8 @@ def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
     docs = ["ab\n  ba\n\nbc 11 ab", "cab's\n S 2 ab ab c ab's"]
     text = tmp_path / "docs.txt"
     text.write_text(f"{docs[0]}\n<|endoftext|>\n{docs[1]}\n")
-    specials = dict(bos_id=None, pad_id=None, eos_id=18, mask_id=19)  # bpe's
-    model = letters_model(vocab_size=20, **specials)
-    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
-    out = sample_ok(capsys, "--ckpt", tmp_path / "owt.pt", "--eval", text)
+    model, owt = gpt2_letters(bpe, tmp_path)
+    out = sample_ok(capsys, "--ckpt", owt, "--eval", text)
     stream = [i for doc in docs for i in bpe.encode(doc) + [18]]
     rows, _ = wrapped_by_hand(stream, None, None)
     res = elbo(model, rows, generator=gen(0))
@@ -4132,11 +4155,10 @@ def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
 
 def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys):
     (tmp_path / "sep.txt").write_text("<|endoftext|>\n<|endoftext|>\n")
-    model = letters_model(vocab_size=20, bos_id=None, pad_id=None, eos_id=18, mask_id=19)
-    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
-    argv = ["--ckpt", tmp_path / "owt.pt", "--eval", tmp_path / "sep.txt"]
-    assert sample.main([str(a) for a in argv]) == 2
-    assert "--eval: 0 tokens of text fill no row" in capsys.readouterr().err
+    _, owt = gpt2_letters(bpe, tmp_path)
+    code, _, err = run_sample(capsys, "--ckpt", owt, "--eval", tmp_path / "sep.txt")
+    assert code == 2
+    one_error_line(err, "--eval: 0 tokens of text fill no row")
 
 
 def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
@@ -4184,9 +4206,7 @@ def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
     args = shlex.split(argv.format(d=ckpts, st=st))
     code, _, err = run_sample(capsys, *args)
     assert code == 2
-    assert err.startswith("error: "), err
-    assert len(err.strip().splitlines()) == 1, err
-    assert message in err, err
+    one_error_line(err, message)
 
 
 # ---- experiments/ --------------------------------------------------------------------------
@@ -4492,9 +4512,7 @@ def test_plot_spread_gives_mean_std_and_each_seed():
 def test_judged_scripts_check_their_input_before_scoring(ckpts, capsys, argv, message, script):
     assert script.main(argv.format(d=ckpts).split()) == 2
     out, err = capsys.readouterr()
-    assert err.startswith("error: ")
-    assert message in err
-    assert len(err.splitlines()) == 1
+    one_error_line(err, message)
     assert "model:" not in out  # nothing scored before the error
 
 
