@@ -1790,6 +1790,15 @@ def vocab_rows(L=24):
     return x
 
 
+def assert_authors_nll(model, sd, x):
+    """setdiff's NLL of rows x over VOCAB, slot by slot in a sampled order, is the authors'
+    forward's of the weights sd (2 heads, [MASK] 4)."""
+    order = sample_order(model.cfg, len(x), gen(1))
+    want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
+    got = position_nll(model, x, order).float()  # position order
+    assert torch.allclose(got.gather(1, order), want, atol=2e-5)
+
+
 def test_a_released_folder_is_recorded_as_such(released):
     folder, _ = released
     assert load_checkpoint(folder)[2]["released"] == str(folder)
@@ -1810,11 +1819,7 @@ def test_a_released_lm1b_model_uses_cls_as_bos_and_eos(released):
 def test_a_released_model_matches_the_authors_forward(released):
     folder, sd = released
     model = load_checkpoint(folder)[0].eval()
-    x = vocab_rows(16)
-    order = sample_order(model.cfg, 3, gen(1))
-    want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
-    got = position_nll(model, x, order).float()  # position order
-    assert torch.allclose(got.gather(1, order), want, atol=2e-5)
+    assert_authors_nll(model, sd, vocab_rows(16))
 
 
 def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
@@ -2143,11 +2148,7 @@ def test_exported_weights_give_the_authors_forward_setdiffs_nll(exported):
     """The authors' names, read by their forward (not by setdiff's loader): the same NLL."""
     model, folder, _ = exported
     sd = torch.load(folder / "pytorch_model.bin", weights_only=True)
-    x = vocab_rows()
-    order = sample_order(model.cfg, 3, gen(1))
-    want = position_nll(model, x, order).float().gather(1, order)  # decode order
-    theirs = authors_nll(sd, 2, x, order, 4)
-    assert torch.allclose(theirs, want, atol=2e-5)
+    assert_authors_nll(model, sd, vocab_rows())
 
 
 def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
