@@ -123,6 +123,9 @@ def on_device(inputs, device):
     return moved
 
 
+NO_BOS = dict(bos_id=None, pad_id=None)  # OWT-style rows: no BOS, and no PAD (EOS pads)
+
+
 def tiny_cfg(**kw):
     base = dict(seq_len=24, n_layer=2, n_head=2, d_model=32, dropout=0.0, set_size=3)
     return Config(**(base | kw))
@@ -344,7 +347,7 @@ def test_schedule_with_d_1_gives_the_identity_order():
     "kw",
     {
         "uniform": dict(order="uniform"),
-        "no-bos": dict(bos_id=None, pad_id=None),  # OWT rows: position 0 holds any token
+        "no-bos": NO_BOS,  # OWT rows: position 0 holds any token
     },
 )
 def test_orders_pin_position_0_first(kw):
@@ -1044,8 +1047,7 @@ on_grid = table("policy,decoding,start", {"-".join(c): c for c in GRID})
 def test_cached_generation_equals_cache_free(policy, decoding, start, device):
     a, _, _ = generated(policy, decoding, start, device=device)
     b, _, _ = generated(policy, decoding, start, False, device)
-    assert torch.equal(a.tokens, b.tokens)
-    assert torch.equal(a.reveal_call, b.reveal_call)
+    same_generation(a, b)
     assert a.calls == b.calls
 
 
@@ -1076,6 +1078,12 @@ def decode_order(reveal_call):
         pairs = sorted((c, p) for p, c in enumerate(row))
         rows.append([p for _, p in pairs])
     return torch.tensor(rows)
+
+
+def same_generation(a, b):
+    """Two generations wrote the same tokens in the same calls."""
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.reveal_call, b.reveal_call)
 
 
 @table(
@@ -1232,8 +1240,7 @@ def test_a_compiled_sampler_draws_the_eager_tokens(temperature, start, rows, win
     kw = dict(window=window, threshold=threshold, temperature=temperature)
     eager = generate(model, **inputs, **kw, generator=gen(3))
     compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert torch.equal(compiled.reveal_call, eager.reveal_call)
+    same_generation(compiled, eager)
 
 
 def test_the_cache_has_slots_for_the_longest_call_only(monkeypatch):
@@ -1372,8 +1379,7 @@ def eos_infill(use_cache=True):
 def test_stopping_at_eos_cached_equals_cache_free():
     _, _, a = eos_infill()
     _, _, b = eos_infill(use_cache=False)
-    assert torch.equal(a.tokens, b.tokens)
-    assert torch.equal(a.reveal_call, b.reveal_call)
+    same_generation(a, b)
 
 
 def test_stopping_at_eos_keeps_the_right_context():
@@ -1439,18 +1445,18 @@ def test_stop_at_first_eos_leaves_the_other_rows_alone():
 
 
 def test_stop_at_first_eos_without_pad_fills_with_eos():
-    _, x, _ = stop_eos_rows(bos_id=None, pad_id=None)
+    _, x, _ = stop_eos_rows(**NO_BOS)
     assert x[1] == hand_row("B 65 66 E E E 68 E")
 
 
 def test_without_bos_sampling_starts_a_document():
-    model = tiny_model(bos_id=None, pad_id=None)
+    model = tiny_model(**NO_BOS)
     out = generate(model, batch_size=2, temperature=0.0)
     assert torch.all(out.tokens[:, 0] == model.cfg.eos_id)  # like the authors' OWT samples
 
 
 def test_without_bos_a_prompt_starts_the_row():
-    model = tiny_model(bos_id=None, pad_id=None)
+    model = tiny_model(**NO_BOS)
     out = generate(model, prompt=[65, 66], temperature=0.0, max_new_tokens=3)
     assert out.tokens[0, :2].tolist() == [65, 66]
     assert out.tokens.shape == (1, 5)
@@ -1474,6 +1480,12 @@ def saved(tmp_path):
     path = tmp_path / "ckpt.pt"
     setdiff.save_checkpoint(path, model, BYTES, step=7)
     return model, path
+
+
+def load_refused(path, match):
+    """load_checkpoint(path) raises our ValueError, its message matching `match`."""
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(path)
 
 
 def test_checkpoint_round_trips_config_tokenizer_weights_and_extras(tmp_path):
@@ -1537,8 +1549,7 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
     weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
     setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
-    with pytest.raises(ValueError, match=BAD_CHECKPOINTS[name]):
-        load_checkpoint(tmp_path / name)
+    load_refused(tmp_path / name, BAD_CHECKPOINTS[name])
 
 
 DISAGREE = r"in the file, .* by the config; the weights do not fit the config: use"
@@ -1563,8 +1574,7 @@ def test_load_refuses_a_checkpoint_whose_config_was_edited(tmp_path, field, valu
     _, path = saved(tmp_path)
     ckpt = load_checkpoint(path)[2]
     setdiff.write_checkpoint(path, ckpt | {"config": ckpt["config"] | {field: value}})
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(path)
+    load_refused(path, match)
 
 
 # Released models: folders written here as the authors' code writes them, and their log-probs
@@ -1722,6 +1732,18 @@ def authors_nll(sd, H, x, order, mask_id):
     return -logp.gather(-1, clean[..., None])[..., 0]
 
 
+def safetensors_parts(path):
+    """-> (the JSON header, the data after it) of a safetensors file."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_header(path, header, data):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
 def write_safetensors(path, tensors):
     """The safetensors layout by hand: an 8-byte little-endian header size, a JSON header, bytes."""
     names = {torch.float32: "F32", torch.bool: "BOOL"}
@@ -1734,8 +1756,7 @@ def write_safetensors(path, tensors):
         header[name] = dict(dtype=names[t.dtype], shape=list(t.shape), data_offsets=[offset, end])
         blobs.append(blob)
         offset = end
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_header(path, header, b"".join(blobs))
 
 
 def lm1b_folder(tmp_path, weights="bin", L=16, d=4, changes=None, noise=None, **backbone):
@@ -1763,10 +1784,19 @@ def released(tmp_path, request):
     return lm1b_folder(tmp_path, request.param)
 
 
-def lm1b_rows():
-    x = torch.randint(5, len(VOCAB), (3, 16), generator=gen(0))
+def vocab_rows(L=24):
+    x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
     x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
     return x
+
+
+def assert_authors_nll(model, sd, x):
+    """setdiff's NLL of rows x over VOCAB, slot by slot in a sampled order, is the authors'
+    forward's of the weights sd (2 heads, [MASK] 4)."""
+    order = sample_order(model.cfg, len(x), gen(1))
+    want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
+    got = position_nll(model, x, order).float()  # position order
+    assert torch.allclose(got.gather(1, order), want, atol=2e-5)
 
 
 def test_a_released_folder_is_recorded_as_such(released):
@@ -1789,17 +1819,13 @@ def test_a_released_lm1b_model_uses_cls_as_bos_and_eos(released):
 def test_a_released_model_matches_the_authors_forward(released):
     folder, sd = released
     model = load_checkpoint(folder)[0].eval()
-    x = lm1b_rows()
-    order = sample_order(model.cfg, 3, gen(1))
-    want = authors_nll(sd, 2, x, order, 4)  # (B, L) per slot, decode order
-    got = position_nll(model, x, order).float()  # position order
-    assert torch.allclose(got.gather(1, order), want, atol=2e-5)
+    assert_authors_nll(model, sd, vocab_rows(16))
 
 
 def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
     folder, sd = released
     model = load_checkpoint(folder)[0]
-    x = lm1b_rows()
+    x = vocab_rows(16)
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 3, gen(1)), 4)
     res = elbo(model, x, generator=gen(1))
     assert res.tokens_scored == 3 * 15  # the [CLS] ending a sentence is a target, slot 0 not
@@ -1837,8 +1863,7 @@ OTHER_MODELS = {  # config.json changes, backbone_config changes, the refusal
 @table("changes,net,match", OTHER_MODELS)
 def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
     folder, _ = lm1b_folder(tmp_path, changes=changes, **net)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @table(
@@ -1858,8 +1883,7 @@ def test_load_refuses_a_folder_of_another_model(tmp_path, changes, net, match):
 def test_load_refuses_weights_that_do_not_fit(tmp_path, extra, match):
     folder, sd = lm1b_folder(tmp_path)
     torch.save(sd | extra, folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @table(
@@ -1875,21 +1899,18 @@ def test_load_refuses_a_broken_released_folder(tmp_path, name, content, match):
     (folder / name).unlink()
     if content:
         (folder / name).write_text(content)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+    load_refused(folder, match)
 
 
 @pytest.mark.parametrize("key", ["k", "b"])
 def test_a_released_schedule_shape_k_or_b_is_refused(tmp_path, key):
     """The authors' schedule takes k (or b) from noise_config; setdiff derives them from d, s."""
     folder, _ = lm1b_folder(tmp_path, noise={"k": None, "b": None, key: 0.5})
-    with pytest.raises(ValueError, match=f"noise_config sets {key}:"):
-        load_checkpoint(folder)
+    load_refused(folder, f"noise_config sets {key}:")
 
 
 def test_load_refuses_a_folder_without_config_json(tmp_path):
-    with pytest.raises(ValueError, match="folder without a config.json"):
-        load_checkpoint(tmp_path)
+    load_refused(tmp_path, "folder without a config.json")
 
 
 DELETE = "(the field deleted)"
@@ -1909,16 +1930,12 @@ def set_field(tree, keys, value):
     return tree
 
 
-def safetensors_parts(path):
-    """-> (the JSON header, the data after it) of a safetensors file."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8 : 8 + n]), data[8 + n :]
-
-
-def write_header(path, header, data):
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+@pytest.fixture
+def safetensors_only(exported):
+    """The exported folder without its .bin, so model.safetensors is read -> (folder, that file)."""
+    folder = exported[1]
+    (folder / "pytorch_model.bin").unlink()
+    return folder, folder / "model.safetensors"
 
 
 E = "backbone.vocab_embed.embedding"  # export_model's (24, 32) float32: bytes [0, 3072)
@@ -1943,13 +1960,11 @@ PAST = "data_offsets overlaps another tensor or ends past the"
         "shape-of-another-model": ((E, "shape"), [32, 24], r"\(32, 24\) in the file, \(24, 32\)"),
     },
 )
-def test_load_refuses_a_malformed_safetensors_field(exported, keys, value, match):
-    folder = exported[1]
-    (folder / "pytorch_model.bin").unlink()  # model.safetensors is read
-    header, data = safetensors_parts(folder / "model.safetensors")
-    write_header(folder / "model.safetensors", set_field(header, keys, value), data)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(folder)
+def test_load_refuses_a_malformed_safetensors_field(safetensors_only, keys, value, match):
+    folder, path = safetensors_only
+    header, data = safetensors_parts(path)
+    write_header(path, set_field(header, keys, value), data)
+    load_refused(folder, match)
 
 
 @table(
@@ -1961,11 +1976,10 @@ def test_load_refuses_a_malformed_safetensors_field(exported, keys, value, match
         "header-not-utf-8": (struct.pack("<Q", 2) + b"\xff\xfe", "header: not a JSON object"),
     },
 )
-def test_load_refuses_a_malformed_safetensors_file(exported, data, match):
-    (exported[1] / "pytorch_model.bin").unlink()
-    (exported[1] / "model.safetensors").write_bytes(data)
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(exported[1])
+def test_load_refuses_a_malformed_safetensors_file(safetensors_only, data, match):
+    folder, path = safetensors_only
+    path.write_bytes(data)
+    load_refused(folder, match)
 
 
 @table(
@@ -1987,8 +2001,7 @@ def test_load_refuses_a_malformed_safetensors_file(exported, data, match):
 def test_load_refuses_a_malformed_config_json(exported, keys, value, match):
     spec = set_field(config_of(exported[1]), keys, value)
     (exported[1] / "config.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=match):
-        load_checkpoint(exported[1])
+    load_refused(exported[1], match)
 
 
 REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf, 0, -1, -(10**9), 10**12, 10**30]
@@ -2105,12 +2118,6 @@ def config_of(folder):
     return json.loads((folder / "config.json").read_text())
 
 
-def vocab_rows(L=24):
-    x = torch.randint(5, len(VOCAB), (3, L), generator=gen(0))
-    x[:, [0, 9]] = 2  # [CLS]: BOS, and a sentence end
-    return x
-
-
 def test_an_export_writes_the_released_files(exported):
     names = ["config.json", "model.safetensors", "pytorch_model.bin", "vocab.txt"]
     assert sorted(exported[2]) == names
@@ -2141,11 +2148,7 @@ def test_exported_weights_give_the_authors_forward_setdiffs_nll(exported):
     """The authors' names, read by their forward (not by setdiff's loader): the same NLL."""
     model, folder, _ = exported
     sd = torch.load(folder / "pytorch_model.bin", weights_only=True)
-    x = vocab_rows()
-    order = sample_order(model.cfg, 3, gen(1))
-    want = position_nll(model, x, order).float().gather(1, order)  # decode order
-    theirs = authors_nll(sd, 2, x, order, 4)
-    assert torch.allclose(theirs, want, atol=2e-5)
+    assert_authors_nll(model, sd, vocab_rows())
 
 
 def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
@@ -2156,11 +2159,9 @@ def test_an_export_carries_the_authors_rotary_and_mask_buffers(exported):
 
 def read_safetensors(path):
     """A safetensors file by hand -> ({name: tensor}, header size, metadata, unclaimed bytes)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
+    header, body = safetensors_parts(path)
+    n = path.stat().st_size - 8 - len(body)
     meta = header.pop("__metadata__")
-    body = data[8 + n :]
     dtypes = {"F32": "<f4", "BOOL": "?"}
     tensors = {}
     for name, info in header.items():
@@ -2212,10 +2213,12 @@ def test_an_export_writes_max_block_size_as_s_and_reads_it_back(tmp_path, d, s, 
     assert load_checkpoint(tmp_path / "out")[0].cfg.max_set_size == s
 
 
+BPE_IDS = NO_BOS | dict(vocab_size=20, eos_id=18, mask_id=19)  # the bpe fixture's
+
+
 def gpt2_export(bpe, folder):
     """A tiny OWT-style model over the bpe fixture (no BOS, no PAD), exported -> the model."""
-    ids = dict(vocab_size=20, eos_id=18, mask_id=19)
-    model = tiny_model(bos_id=None, pad_id=None, **ids)
+    model = tiny_model(**BPE_IDS)
     setdiff.save_released(model, bpe, folder)
     return model
 
@@ -2333,7 +2336,7 @@ def test_documents_of_a_file(tokenizers, kind, data, docs, lines, bad):
     "kw,n",
     {
         "bos": (dict(), 22),  # [BOS] + L-2 tokens + [EOS]
-        "no-bos": (dict(bos_id=None, pad_id=None), 23),  # L tokens, position 0 given
+        "no-bos": (NO_BOS, 23),  # L tokens, position 0 given
     },
 )
 def test_text_per_row_leaves_out_bos_and_the_closing_eos(kw, n):
@@ -3047,6 +3050,11 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(same)
 
 
+def close_weights(a, b, atol):
+    close = [torch.allclose(a[k], b[k], atol=atol) for k in a]
+    return a.keys() == b.keys() and all(close)
+
+
 def same_run(a, b):
     """Two checkpoints hold the same raw and the same EMA weights."""
     raw = same_weights(a["train_model"], b["train_model"])
@@ -3318,8 +3326,7 @@ def test_compile_compiles_the_loss_and_keeps_the_weights(train_dir, run4, monkey
     assert compiled_modules == ["TrainStep"]  # the loss, as DDP and compile see it
     plain = ckpt_of(run4)["train_model"]
     compiled = ckpt_of(train_dir / "compiled")["train_model"]
-    close = [torch.allclose(plain[k], compiled[k], atol=1e-6) for k in plain]
-    assert all(close)
+    assert close_weights(plain, compiled, 1e-6)
 
 
 def copy_of(run4, name):
@@ -3624,6 +3631,9 @@ def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
     assert len(bounds) == 2 and all("; threads: 2" in x for x in bounds)  # step 1, the best
 
 
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
 def test_torchrun_two_processes_match_one(tmp_path):
     """Two gloo processes, 4 rows each, train as one process on 8 rows."""
     write_corpus(tmp_path / "corpus.txt")
@@ -3631,9 +3641,8 @@ def test_torchrun_two_processes_match_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one_argv = run_argv(tmp_path, "one", "--global-batch", "8", *steps)
     one = python("train_small.py", *one_argv, env=env)
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     two_argv = run_argv(tmp_path, "two", "--global-batch", "8", *steps)
-    two = python(*torchrun, "train_small.py", *two_argv, env=env)
+    two = python(*TORCHRUN, "train_small.py", *two_argv, env=env)
     # NOTE: one retry, for one cause only, outside setdiff: after all the run's work, gloo's
     # worker thread may still be releasing the last all-reduce's tensor while Python shuts down
     # (the process group outlives destroy_process_group); that tensor's release takes the GIL,
@@ -3642,7 +3651,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     # it too, about 1 run in 20 with both cores busy; rank 1 exits first, so it is rank 1.
     if "terminate called without an active exception" in two.stderr:
         shutil.rmtree(tmp_path / "two")
-        two = python(*torchrun, "train_small.py", *two_argv, env=env)
+        two = python(*TORCHRUN, "train_small.py", *two_argv, env=env)
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "4 per forward x 1 accumulation x 2 proc" in two.stdout
@@ -3652,8 +3661,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     np.testing.assert_allclose(two_loss, one_loss, rtol=1e-4)
     w1 = ckpt_of(tmp_path / "one")["train_model"]
     w2 = ckpt_of(tmp_path / "two")["train_model"]
-    close = [torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1]
-    assert all(close)
+    assert close_weights(w1, w2, 1e-5)
 
 
 FAILING_RANK = """
@@ -3675,10 +3683,9 @@ def test_torchrun_stops_every_process_when_one_fails(tmp_path):
     write_corpus(tmp_path / "corpus.txt")
     (tmp_path / "failing.py").write_text(FAILING_RANK)
     argv = run_argv(tmp_path, "two", "--global-batch", "8", "--max-steps", "6")
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     start = time.perf_counter()
-    out = python(*torchrun, str(tmp_path / "failing.py"), *argv, env=env, timeout=120)
+    out = python(*TORCHRUN, str(tmp_path / "failing.py"), *argv, env=env, timeout=120)
     assert time.perf_counter() - start < 60
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if "error: " in line]
@@ -3824,10 +3831,17 @@ def ckpts(tmp_path_factory):
         model = letters_model(order, eos_first=name == "eos")
         setdiff.save_checkpoint(d / f"{name}.pt", model, BYTES, step=7, val_rows=rows)
     setdiff.save_checkpoint(d / "noval.pt", letters_model(), BYTES)
-    owt = letters_model(bos_id=None, pad_id=None)
+    owt = letters_model(**NO_BOS)
     setdiff.save_checkpoint(d / "owt.pt", owt, BYTES, val_rows=val)
     setdiff.save_checkpoint(d / "l40.pt", letters_model(seq_len=40), BYTES)
     return d
+
+
+def one_error_line(err, needle):
+    """stderr is ONE line 'error: ...' that says `needle`, no traceback."""
+    assert err.startswith("error: "), err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
 
 
 def run_sample(capsys, *argv):
@@ -4110,11 +4124,18 @@ def test_eval_without_pad_leaves_the_tail_out_and_says_so(ckpts, capsys):
     """No PAD (as OWT): L-token rows, position 0 given; the tail is in no row."""
     out = sample_ok(capsys, "--ckpt", ckpts / "owt.pt", "--eval", ckpts / "val.txt")
     rows, rest = wrapped_by_hand(VAL_STREAM, None, None)
-    model = letters_model(bos_id=None, pad_id=None)
+    model = letters_model(**NO_BOS)
     res = elbo(model, rows, generator=gen(0))
     assert f"val {res.line(len(rows) * (L - 1))}" in out
     assert len(rest) > 0
     assert f"not scored: the text's last {len(rest)} tokens (~{len(rest)} bytes)" in out
+
+
+def gpt2_letters(bpe, tmp_path):
+    """A letters_model over the bpe fixture's ids, saved -> (model, its checkpoint)."""
+    model = letters_model(**BPE_IDS)
+    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
+    return model, tmp_path / "owt.pt"
 
 
 def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
@@ -4122,10 +4143,8 @@ def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
     docs = ["ab\n  ba\n\nbc 11 ab", "cab's\n S 2 ab ab c ab's"]
     text = tmp_path / "docs.txt"
     text.write_text(f"{docs[0]}\n<|endoftext|>\n{docs[1]}\n")
-    specials = dict(bos_id=None, pad_id=None, eos_id=18, mask_id=19)  # bpe's
-    model = letters_model(vocab_size=20, **specials)
-    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
-    out = sample_ok(capsys, "--ckpt", tmp_path / "owt.pt", "--eval", text)
+    model, owt = gpt2_letters(bpe, tmp_path)
+    out = sample_ok(capsys, "--ckpt", owt, "--eval", text)
     stream = [i for doc in docs for i in bpe.encode(doc) + [18]]
     rows, _ = wrapped_by_hand(stream, None, None)
     res = elbo(model, rows, generator=gen(0))
@@ -4134,11 +4153,10 @@ def test_eval_reads_a_gpt2_file_as_documents(bpe, tmp_path, capsys):
 
 def test_eval_of_a_gpt2_file_without_documents_is_one_line(bpe, tmp_path, capsys):
     (tmp_path / "sep.txt").write_text("<|endoftext|>\n<|endoftext|>\n")
-    model = letters_model(vocab_size=20, bos_id=None, pad_id=None, eos_id=18, mask_id=19)
-    setdiff.save_checkpoint(tmp_path / "owt.pt", model, bpe)
-    argv = ["--ckpt", tmp_path / "owt.pt", "--eval", tmp_path / "sep.txt"]
-    assert sample.main([str(a) for a in argv]) == 2
-    assert "--eval: 0 tokens of text fill no row" in capsys.readouterr().err
+    _, owt = gpt2_letters(bpe, tmp_path)
+    code, _, err = run_sample(capsys, "--ckpt", owt, "--eval", tmp_path / "sep.txt")
+    assert code == 2
+    one_error_line(err, "--eval: 0 tokens of text fill no row")
 
 
 def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
@@ -4186,9 +4204,7 @@ def test_sample_bad_input_is_one_line_and_exit_2(ckpts, capsys, argv, message):
     args = shlex.split(argv.format(d=ckpts, st=st))
     code, _, err = run_sample(capsys, *args)
     assert code == 2
-    assert err.startswith("error: "), err
-    assert len(err.strip().splitlines()) == 1, err
-    assert message in err, err
+    one_error_line(err, message)
 
 
 # ---- experiments/ --------------------------------------------------------------------------
@@ -4494,9 +4510,7 @@ def test_plot_spread_gives_mean_std_and_each_seed():
 def test_judged_scripts_check_their_input_before_scoring(ckpts, capsys, argv, message, script):
     assert script.main(argv.format(d=ckpts).split()) == 2
     out, err = capsys.readouterr()
-    assert err.startswith("error: ")
-    assert message in err
-    assert len(err.splitlines()) == 1
+    one_error_line(err, message)
     assert "model:" not in out  # nothing scored before the error
 
 
