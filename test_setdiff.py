@@ -1232,11 +1232,15 @@ COMPILED = {  # temperature, start, rows, window, tau
 }
 
 
+@on_devices
 @table("temperature,start,rows,window,threshold", COMPILED)
-def test_a_compiled_sampler_draws_the_eager_tokens(temperature, start, rows, window, threshold):
-    model = tiny_model()
+def test_a_compiled_sampler_draws_the_eager_tokens(
+    temperature, start, rows, window, threshold, device
+):
+    """On a GPU too: there each compiled call is a CUDA graph, replayed."""
+    model = tiny_model().to(device)
     inputs, _, _ = start_rows(model.cfg, start)
-    inputs = {k: v[:rows] for k, v in inputs.items()}
+    inputs = on_device({k: v[:rows] for k, v in inputs.items()}, device)
     kw = dict(window=window, threshold=threshold, temperature=temperature)
     eager = generate(model, **inputs, **kw, generator=gen(3))
     compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
