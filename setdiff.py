@@ -617,6 +617,7 @@ def order_nll(model, x, order, scored):
 # leftmost masked position f; (2) ONE network call predicting them; (3) a candidate token and
 # its confidence per query; (4) the commit rule: reveal the most confident candidate plus
 # every candidate with confidence >= tau. The revealed tokens form this call's set.
+# Shapes: B rows of C positions (the canvas, and the KV cache's slots), n new tokens, m queries.
 GIVEN = -1  # reveal call of a given token (BOS, prompt, infill context): never changed
 ERASED = -2  # reveal call of a position set to PAD after a stopping EOS
 MASKED = -3  # reveal call of a position not revealed yet (during generation only)
@@ -624,8 +625,8 @@ MASKED = -3  # reveal call of a position not revealed yet (during generation onl
 
 @dataclass
 class Generation:
-    tokens: torch.Tensor  # (B, T) final ids; PAD after a stopping EOS
-    reveal_call: torch.Tensor  # (B, T) the call that revealed each position, GIVEN or ERASED
+    tokens: torch.Tensor  # (B, C) final ids; PAD after a stopping EOS
+    reveal_call: torch.Tensor  # (B, C) the call that revealed each position, GIVEN or ERASED
     calls: int  # network calls of the batch (the prompt is cached by the first)
     row_calls: torch.Tensor  # (B,) calls each row took part in
     seconds: float  # wall time
@@ -694,7 +695,7 @@ def draw_candidates(logits, temperature, top_p, u=None):
 
 def penalize_repeats(logits, x, seen, penalty):
     """The authors' repetition penalty (HF's RepetitionPenaltyLogitsProcessor), before the
-    draw: the logit of every id at a `seen` position of x (B, T) is divided by `penalty` where
+    draw: the logit of every id at a `seen` position of x (B, C) is divided by `penalty` where
     positive and multiplied where negative, once however often it occurs. (B, m, V) -> same.
     generate's `seen` is the context the authors take: after a prompt the generated tokens
     (not the prompt); when infilling every visible token, the given right context included
@@ -710,14 +711,14 @@ def commit_rule(conf, valid, threshold):
     row that has queries. (Keeping the confident tokens = re-masking the others.)"""
     conf = conf.masked_fill(~valid, -1.0)
     best = conf.argmax(1, keepdim=True)  # (B, 1)
-    slot = torch.arange(conf.shape[1], device=conf.device)
-    top = slot == best  # not one_hot, which checks its input's range on the host
+    j = torch.arange(conf.shape[1], device=conf.device)  # a query's index in the window
+    top = j == best  # not one_hot, which checks its input's range on the host
     return valid & ((conf >= threshold) | top)
 
 
 def gather_sets(select, key=None, n=None):
-    """Ragged per-row sets as padded index lists: select (B, T) bool -> idx (B, n), valid
-    (B, n), the selected positions in position order, or sorted by `key` (B, T) with ties in
+    """Ragged per-row sets as padded index lists: select (B, C) bool -> idx (B, n), valid
+    (B, n), the selected positions in position order, or sorted by `key` (B, C) with ties in
     position order. Padded entries hold position 0 and are masked wherever they are used. n:
     the most any row selects, or None to read it from the device (a host sync)."""
     count = select.sum(1, keepdim=True)  # (B, 1)
@@ -728,8 +729,8 @@ def gather_sets(select, key=None, n=None):
     last = torch.iinfo(torch.long).max  # not selected: after every selected position
     key = torch.where(select, key, last)
     idx = torch.argsort(key, dim=1, stable=True)
-    slot = torch.arange(n, device=select.device)
-    valid = slot[None, :] < count  # (B, n)
+    entry = torch.arange(n, device=select.device)  # an entry of the padded list
+    valid = entry[None, :] < count  # (B, n)
     idx = torch.where(valid, idx[:, :n], 0)
     return idx, valid
 
@@ -742,11 +743,11 @@ class KVCache:
     (no ragged appends across a batch), and the keys a query may see are just `filled`. Keys
     are stored after rotary: a position never moves. Per layer and row the buffer holds
 
-        slots 0 .. T-1                    | slots T .. T+n+m-1
+        slots 0 .. C-1                    | slots C .. C+n+m-1
         revealed tokens (where `filled`)  | this call: n new tokens, then m queries
 
     In every layer `extend` places the call's keys behind the cache, and attention reads slots
-    [0, T+n+m); after the call `store` copies the n new tokens' keys to their positions
+    [0, C+n+m); after the call `store` copies the n new tokens' keys to their positions
     (queries are never cached). NOTE: one preallocated buffer, not a concatenation per layer:
     a concatenation per call allocates in every layer, which slows batched sampling."""
 
@@ -824,10 +825,10 @@ def show_call(length, cached, new, queries):
 def predict(model, x, new, queries, cache=None):
     """ONE network call: [n new clean tokens] + [m MASK queries] -> the queries' logits (B, m, V).
 
-    `new` and `queries` are (idx, valid) pairs (B, n) and (B, m) of positions of x (B, T). A
+    `new` and `queries` are (idx, valid) pairs (B, n) and (B, m) of positions of x (B, C). A
     new token sees the cache, the new tokens before it and itself; a query sees the cache, all
     new tokens and itself only: the training mask restricted to the rows that matter. Example,
-    T = 25 with a cache, 2 tokens revealed last call (positions 5, 9), 3 queries (6, 7, 8):
+    C = 25 with a cache, 2 tokens revealed last call (positions 5, 9), 3 queries (6, 7, 8):
 
         keys     25 cache slots | 2 new tokens | 3 queries     (the queries of this call are
         rank     0 0 ... 0      | 1 2          | 3 3 3          the last n + m = 5 columns)
@@ -871,8 +872,8 @@ def generate(
     stop_at_eos=False,
     compile=False,
 ):
-    """The set sampler, batched (each row has its own window and progress): `prompt` (T,) or
-    (B, T) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
+    """The set sampler, batched (each row has its own window and progress): `prompt` (P,) or
+    (B, C) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
     sampler_window and canvas check the arguments. tau = `threshold` > 1 reveals one token a
     call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
     default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
@@ -888,13 +889,13 @@ def generate(
         cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
     )
     require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
-    x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, T)
-    B, T = x.shape
+    x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, C)
+    B, C = x.shape
     start = time.perf_counter()
-    m = min(w, T)  # queries a call: fixed, so that no call reads a count from the device
+    m = min(w, C)  # queries a call: fixed, so that no call reads a count from the device
     uniforms = None
-    if temperature > 0:  # all of the run's draws at once: at most T calls of B x m
-        u = torch.rand(T, B, m, generator=generator, dtype=torch.float64)
+    if temperature > 0:  # all of the run's draws at once: at most C calls of B x m
+        u = torch.rand(C, B, m, generator=generator, dtype=torch.float64)
         uniforms = upload(u, "cpu" if device.type == "mps" else device)
     run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
     run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
@@ -902,7 +903,7 @@ def generate(
     # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
     P = int(run.pending.sum(1).max())
     if use_cache:
-        run.cache = KVCache(cfg, B, T, max(P, w) + m, device)
+        run.cache = KVCache(cfg, B, C, max(P, w) + m, device)
     was_training = model.training
     model.eval()  # dropout off; restored below
     n = next_call(sampler_call(model, run, P))
@@ -963,7 +964,7 @@ class SamplerRun:
     at fixed addresses, a compiled call is one CUDA graph replayed."""
 
     def __init__(self, cfg, x, w, m, threshold, temperature, top_p, penalty, uniforms):
-        self.x = x  # (B, T) the canvas: MASK where not revealed yet
+        self.x = x  # (B, C) the canvas: MASK where not revealed yet
         self.w = w  # the window
         self.m = m  # queries a call
         self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
@@ -971,11 +972,11 @@ class SamplerRun:
         self.temperature = temperature
         self.top_p = top_p
         self.penalty = penalty
-        self.uniforms = uniforms  # (T, B, m) call c draws with uniforms[c]; None: greedy
+        self.uniforms = uniforms  # (C, B, m) call c draws with uniforms[c]; None: greedy
         self.first_seen = 0
         self.stop_at_eos = False
         self.cache = None  # a KVCache, or None for the cache-free step
-        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, T)
+        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, C)
         self.pending = x != cfg.mask_id  # revealed, not cached yet: the context, at first
         self.done = self.pending.all(1)  # (B,)
         self.row_calls = torch.zeros_like(self.done, dtype=torch.long)  # (B,)
@@ -1003,14 +1004,14 @@ def stop_at_first_eos(cfg, x, reveal_call):
     """Rows whose first generated EOS has everything before it revealed are done; what follows
     it (generated or still masked) becomes PAD (EOS without PAD), call ERASED. Given tokens
     (infill context) never change. Updates x and reveal_call; returns the stopped rows."""
-    T = x.shape[1]
-    pos = torch.arange(T, device=x.device)[None, :]
+    C = x.shape[1]
+    pos = torch.arange(C, device=x.device)[None, :]
     eos = (x == cfg.eos_id) & (reveal_call >= 0)  # generated, not given
-    eos_pos = torch.where(eos, pos, T)
+    eos_pos = torch.where(eos, pos, C)
     first = eos_pos.min(1, keepdim=True).values  # (B, 1)
     masked = x == cfg.mask_id
     gaps = (masked & (pos < first)).any(1)
-    stop = (first[:, 0] < T) & ~gaps
+    stop = (first[:, 0] < C) & ~gaps
     after = stop[:, None] & (pos > first)
     after &= reveal_call != GIVEN
     # NOTE: a model without PAD (OWT) fills the rest with EOS; reveal_call marks it ERASED.
@@ -1043,7 +1044,7 @@ def sampler_window(
 
 def canvas(cfg, prompt, infill, batch_size, max_new_tokens, device):
     """The starting rows: BOS (where the model has one) + prompt + MASK to generate, or the
-    infill context with MASK to fill; ids (T,) (repeated batch_size times) or (B, T)."""
+    infill context with MASK to fill; ids (P,) (repeated batch_size times) or (B, C)."""
     require(prompt is None or infill is None, "give --prompt or --infill, not both")
     require(batch_size >= 1, f"--batch-size must be at least 1, got {batch_size}")
     flag = "--prompt" if infill is None else "--infill"
@@ -1086,7 +1087,7 @@ def canvas(cfg, prompt, infill, batch_size, max_new_tokens, device):
 
 
 def with_bos(src, bos_id, flag):
-    """Rows (B, T) that start with BOS, adding it where none does; all or none must."""
+    """Rows (B, C) that start with BOS, adding it where none does; all or none must."""
     starts = (src[:, :1] == bos_id).any(1)  # (B,); False for an empty row
     if starts.all():
         return src
