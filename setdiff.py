@@ -943,7 +943,8 @@ def sampler_call(model, run, n):
     # 3. a candidate per query; 4. the commit rule picks this call's set
     u = None
     if run.uniforms is not None:
-        u = run.uniforms[run.call][0]  # (B, m); a tensor index: no host read
+        call = run.call.to(run.uniforms.device)  # MPS: uniforms on the CPU (no float64)
+        u = run.uniforms[call][0]  # (B, m); a tensor index: no host read
     cand, conf = draw_candidates(logits, run.temperature, run.top_p, u)  # (B, m)
     q_idx, q_valid = queries
     reveal = commit_rule(conf, q_valid, run.threshold)  # (B, m)
