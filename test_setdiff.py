@@ -3587,8 +3587,10 @@ def test_ctrl_c_while_workers_tokenize_exits_130_and_leaves_no_rows(tmp_path):
     """Ctrl-C as a terminal sends it (SIGINT to the process group) while 2 workers tokenize."""
     write_lines(tmp_path / "corpus.txt", [f"line {i} of a corpus" for i in range(400_000)])
     cmd = [sys.executable, "train_small.py", *run_argv(tmp_path, "run", "--workers", "2")]
+    # SIGINT at its default, as under a terminal (a shell's `&` job would pass it on ignored)
+    default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default
     )
     cache = tmp_path / "cache"
     while proc.poll() is None and not sum(f.stat().st_size for f in cache.glob("*/*.tmp-*")):
