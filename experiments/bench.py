@@ -88,7 +88,8 @@ def plain_call(model, rows, cache, last, u, sampling, positions=None):
     logits = model(tokens, positions, attn, cache, queries=1)  # (B, 1, V): the last token's
     cache.store(positions, positions >= 0)  # every token of the call
     draws = u[last[0]][0]  # (B, 1); a tensor index: no host read
-    token, _ = setdiff.draw_candidates(logits, *sampling, draws)  # (B, 1)
+    temperature, top_p = sampling
+    token, _ = setdiff.draw_candidates(logits, temperature, top_p, draws)  # (B, 1)
     last += 1
     rows.scatter_(1, last, token)
 
