@@ -243,7 +243,8 @@ def draw_bands(axes, results, key, ys):
         colour.setdefault(model, f"C{len(colour) % 10}")
         x = []  # each setting's mean tokens per call
         for rows in seeds:
-            x.append(np.mean([r["tokens_per_call"] for r in rows]))
+            per_call = [r["tokens_per_call"] for r in rows]
+            x.append(np.mean(per_call))
         look = dict(color=colour[model], ls=style)
         for ax, y in zip(axes, ys):
             bands = []
