@@ -4816,6 +4816,18 @@ def test_gpu_check_forward_flops_of_lm1b_are_the_readmes():
     assert round(3 * forward, 1) == 79.7
 
 
+def test_gpu_check_bytes_a_call_are_the_weights_and_a_real_caches_slots():
+    """Against a KV cache as a bf16 call fills it: keys and values over its L position slots."""
+    model = tiny_model()
+    L = model.cfg.seq_len
+    cache = setdiff.KVCache(model.cfg, 3, L, 2, "cpu")
+    keys = torch.zeros(3, 2, 2, 16, dtype=torch.bfloat16)  # (B, H, n, hd)
+    cache.extend(0, keys, keys)
+    kv = sum(t[..., :L, :].numel() * t.element_size() for t in (cache.k, cache.v))
+    weights = sum(2 * p.numel() for p in model.parameters())
+    assert gpu_check.bytes_a_call(model, 3, torch.bfloat16) == weights + kv
+
+
 @table(
     "name, peak",
     {
