@@ -1429,11 +1429,11 @@ def read_safetensors(path) -> dict:
         shape = info.get("shape")
         sizes = f"{path}: tensor {name}: shape {shape!r}: not a list of sizes"
         require(natural_numbers(shape), sizes)
-        # Every size bounded, and their product, before torch sees them: a 0 makes the byte
-        # count 0 whatever sizes stand beside it ([0, 2**63] overflows torch's int64).
-        reach = math.prod(i or 1 for i in shape) * dtype.itemsize  # bytes, the zeros left out
-        too_big = f"{shape!r}: sizes past the {size} bytes of data"
-        require(reach <= size, f"{path}: tensor {name}: shape {too_big}")
+        # Every size bounded, and their product, before torch sees them: beside a 0 the byte
+        # count is 0 whatever the other sizes ([0, 2**63] passes it, then overflows torch).
+        elements = math.prod(i or 1 for i in shape)  # the zeros left out
+        huge = f"{shape!r}: more than the 2**63 - 1 elements torch counts"
+        require(elements < 2**63, f"{path}: tensor {name}: shape {huge}")
         span = info.get("data_offsets")
         count = math.prod(shape) * dtype.itemsize  # its bytes
         fits = natural_numbers(span) and len(span) == 2 and span[1] - span[0] == count

@@ -1978,8 +1978,9 @@ def safetensors_only(exported):
 
 
 E = "backbone.vocab_embed.embedding"  # export_model's (24, 32) float32: bytes [0, 3072)
-# 0 bytes, so data_offsets [0, 0] fit it; 2**63 overflows torch's sizes (int64)
+# 0 bytes, so data_offsets [0, 0] fit them; 2**63 overflows torch's sizes (int64), 2**62 not
 ZERO_BESIDE_HUGE = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}
+ZERO_BESIDE_2_62 = ZERO_BESIDE_HUGE | {"shape": [0, 2**62]}
 PAST = "data_offsets overlaps another tensor or ends past the"
 
 
@@ -1992,7 +1993,8 @@ PAST = "data_offsets overlaps another tensor or ends past the"
         "unknown-dtype": ((E, "dtype"), "F64", "dtype 'F64'"),
         "shape-a-string": ((E, "shape"), "24x32", "shape '24x32': not a list of sizes"),
         "negative-shape": ((E, "shape"), [-24, -32], "shape"),
-        "zero-beside-huge": ((E,), ZERO_BESIDE_HUGE, "shape .* sizes past the"),
+        "zero-beside-huge": ((E,), ZERO_BESIDE_HUGE, r"shape .*: more than the 2\*\*63 - 1"),
+        "zero-beside-2-62": ((E,), ZERO_BESIDE_2_62, r"\(0, 4611686018427387904\) in the file"),
         "nested-shape": ((E, "shape"), NESTED, "safetensors: header: not a JSON object"),
         "shape-not-the-bytes": ((E, "shape"), [3, 3], r"\[0, 3072\]: not \[start, start \+ 36\]"),
         "no-offsets": ((E, "data_offsets"), DELETE, "data_offsets None"),
@@ -4265,6 +4267,8 @@ def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
         "no-holes": ("{st} --infill no-holes", "nothing to fill"),
         "empty-span": ("{st} --infill ___0", "___0"),
         "huge-span": ("{st} --infill 'a ___1000000000000 b'", "--infill: a hole of 10000000"),
+        "span-past-l": ("{st} --infill 'abcdefghij ___14'", "hole of 14 positions after 11 tokens"),
+        "span-to-l": ("{st} --infill 'abcdefghij ___13'", "--infill is 25 tokens (with BOS)"),
         "huge-span-len": ("{st} --infill 'ab ___' --span-len 1000000000000", "--span-len: a hole"),
         "long-infill": ("{st} --infill " + "[MASK]" * L, f"--infill is {L + 1} tokens"),
         "infill-max-new-tokens": ("{st} --infill [MASK] --max-new-tokens 3", "--max-new-tokens"),
