@@ -3813,6 +3813,20 @@ def test_train_bench_times_each_variant_in_float32_and_bfloat16(bench_table):
     assert dtypes == ["float32", "float32", "bfloat16", "bfloat16"]
 
 
+@table(
+    "argv,message",
+    {  # a flag -> what the one error line says, before any timing
+        "threads-negative": ("--threads -3", "--threads -3: must be in [1, "),
+        "heads-not-dividing": ("--n-head 3", "d_model must be a multiple of n_head"),
+    },
+)
+def test_train_bench_bad_flag_is_one_line_and_exit_2(capsys, argv, message):
+    assert train_bench.main(argv.split()) == 2
+    out, err = capsys.readouterr()
+    one_error_line(err, message)
+    assert out == ""
+
+
 def test_train_bench_ratio_is_the_set_diffusion_time_over_ar(bench_table):
     for set_row, ar_row in (bench_table[0:2], bench_table[2:4]):
         ms_set = float(set_row[2])  # printed to 0.1 ms, the ratio to 0.01
