@@ -3692,12 +3692,16 @@ def test_threads_default_to_the_idle_cores_with_the_reason(train_dir, capsys):
     assert threads == torch.get_num_threads() == auto
 
 
+MOST_THREADS = 4 * (os.cpu_count() or 1)  # 4 a core: a --threads runtime still takes
+
+
 @table(
     "kw,said",
     {  # runtime's arguments, as the flags give them -> the reason its line gives
         "device": (dict(device="cpu"), "device: cpu (requested with --device); "),
         "dtype": (dict(device="cpu", dtype="bfloat16"), "; bfloat16 (requested with --dtype); "),
         "threads": (dict(threads=2), "; 2 threads (requested with --threads)"),
+        "most-threads": (dict(threads=MOST_THREADS), f"; {MOST_THREADS} threads (requested"),
     },
 )
 def test_runtime_names_the_flag_behind_each_choice(kw, said):
