@@ -113,19 +113,27 @@ def load(path, device):
 HOLE = re.compile(r"\[MASK\]|_{3,}(\d*)")  # [MASK]: one position; ___ or ___N: a span
 
 
-def infill_ids(text: str, tok: Tokenizer, span_len: int) -> list:
-    """Ids of a template, MASK where to fill; the text between holes is encoded piece by piece."""
+def infill_ids(text: str, tok: Tokenizer, span_len: int, L: int) -> list:
+    """Ids of a template, MASK where to fill; the text between holes is encoded piece by piece.
+    Each hole is compared with the context L before it is built (___1000000000000 would fill
+    the memory); generate() checks the whole row, BOS included."""
     parts = HOLE.split(text)  # known, hole, known, ...; a hole is None for [MASK], else its N
     require(len(parts) > 1, "--infill has nothing to fill: mark holes with [MASK] or ___ / ___N")
     ids = tok.encode(parts[0])
     for hole, known in zip(parts[1::2], parts[2::2]):
+        flag = "--infill"
         if hole is None:
             n = 1
         elif hole:
             n = int(hole)
         else:
             n = span_len
+            flag = "--span-len"  # a bare ___
         require(n >= 1, "--infill: ___0 asks for a span of 0 positions")
+        P = len(ids)
+        after = f"after {P} tokens of --infill"
+        too_long = f"{flag}: a hole of {n} positions {after} overflows the context L={L}"
+        require(n <= L - P, too_long)
         ids += [tok.mask_id] * n + tok.encode(known)
     return ids
 
@@ -171,7 +179,8 @@ def sample(args, model, tok: Tokenizer):
         # authors' infilling script does (CACHE_FULL_INFILL_CONTEXT=true). A staggered model
         # never met that state in training: its orders reveal a position's right context
         # only within the reach s.
-        options["infill"] = torch.tensor(infill_ids(args.infill, tok, args.span_len))
+        ids = infill_ids(args.infill, tok, args.span_len, model.cfg.seq_len)
+        options["infill"] = torch.tensor(ids)
     elif args.prompt is not None:
         options["prompt"] = torch.tensor(tok.encode(args.prompt))
     generator = torch.Generator().manual_seed(args.seed)  # one generator: --seed fixes them all

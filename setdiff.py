@@ -548,6 +548,8 @@ class Elbo:
         K = self.num_orders
         orders = f"{K} order" + "s" * (K > 1)
         nats = f"{self.nll_per_token:.4f} +- {self.se:.4f} nats/token"
+        if self.num_seqs < 2:  # a spread across rows needs two (se is NaN)
+            nats = f"{self.nll_per_token:.4f} nats/token, no standard error from one row"
         bpb = f"{self.bits_per_byte(num_bytes):.4f} bits/byte"
         rows = f"{self.num_seqs} rows, {self.tokens_scored:,} tokens, {orders}"
         return f"ppl <= {self.ppl:.3f}  ({nats}, {bpb}; {rows})"
@@ -1200,7 +1202,9 @@ def load_checkpoint(path, device="cpu"):
     except (TypeError, KeyError, ValueError) as e:
         why = one_line(e)
         raise ValueError(f"{path}: its config does not match this setdiff.py: {why}") from None
-    model = model_of(cfg, ckpt["model"], path)
+    weights = ckpt.get("model")
+    require_state_dict(weights, f"{path}: its field 'model'", "retrain it")
+    model = model_of(cfg, weights, path)
     tok = Tokenizer.from_spec(ckpt.get("tokenizer"))
     return model.to(device).eval(), tok, ckpt
 
@@ -1222,6 +1226,14 @@ def model_of(cfg: Config, weights, where) -> SetDiffusionLM:
     model = SetDiffusionLM(cfg)
     model.load_state_dict(weights)
     return model
+
+
+def require_state_dict(state, where, fix):
+    """Refuse weights that are not {name: tensor}: a file's digest is a checksum anyone can
+    recompute, so an edited checkpoint may hold anything there."""
+    tensors = isinstance(state, dict) and all(map(torch.is_tensor, state.values()))
+    names = tensors and all(isinstance(k, str) for k in state)
+    require(names, f"{where} is not a state dict (names of tensors); {fix}")
 
 
 def require_finite(weights: dict, where):
@@ -1363,7 +1375,7 @@ def read_json(path, what: str):
     text = read_text(path, what)
     try:
         return json.loads(text)
-    except ValueError as e:  # not JSON, or a number of over 4,300 digits
+    except (ValueError, RecursionError) as e:  # not JSON, 4,300+ digits, or "[" * 50000
         raise ValueError(f"{path} is not JSON ({e}): not {what}") from None
 
 
@@ -1384,9 +1396,7 @@ def released_weights(folder) -> dict:
             state = torch.load(bin_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ValueError(f"{bin_path} is not a state dict ({type(e).__name__})") from None
-        tensors = isinstance(state, dict) and all(map(torch.is_tensor, state.values()))
-        names = tensors and all(isinstance(k, str) for k in state)
-        require(names, f"{bin_path} is not a state dict (names of tensors); {RELEASED_FIX}")
+        require_state_dict(state, bin_path, RELEASED_FIX)
         return state
     path = os.path.join(folder, "model.safetensors")
     require(os.path.isfile(path), f"{folder} has no weights: pytorch_model.bin, model.safetensors")
@@ -1405,7 +1415,7 @@ def read_safetensors(path) -> dict:
     require(size >= 0, f"{path}: header size {n}: past the end of the file; {RELEASED_FIX}")
     try:
         header = json.loads(data[8:body])
-    except ValueError:  # not UTF-8, not JSON
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past Python's stack
         header = None
     require(isinstance(header, dict), f"{path}: header: not a JSON object; {RELEASED_FIX}")
     header.pop("__metadata__", None)
@@ -1419,6 +1429,11 @@ def read_safetensors(path) -> dict:
         shape = info.get("shape")
         sizes = f"{path}: tensor {name}: shape {shape!r}: not a list of sizes"
         require(natural_numbers(shape), sizes)
+        # Every size bounded, and their product, before torch sees them: beside a 0 the byte
+        # count is 0 whatever the other sizes ([0, 2**63] passes it, then overflows torch).
+        elements = math.prod(i or 1 for i in shape)  # the zeros left out
+        huge = f"{shape!r}: more than the 2**63 - 1 elements torch counts"
+        require(elements < 2**63, f"{path}: tensor {name}: shape {huge}")
         span = info.get("data_offsets")
         count = math.prod(shape) * dtype.itemsize  # its bytes
         fits = natural_numbers(span) and len(span) == 2 and span[1] - span[0] == count
@@ -1637,9 +1652,11 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
         how = torch.float32
         why_dtype = "bf16 is not known to be faster: experiments/train_bench.py"
     cores = os.cpu_count() or 1
-    # NOTE: bounded: torch crawls at thousands of threads and crashes at 10^5
-    many = f"--threads {threads}: at most {4 * cores} (4 x the {cores} cores); more only wait"
-    require(threads is None or threads <= 4 * cores, many)
+    # NOTE: bounded: torch crawls at thousands of threads and crashes at 10^5; checked here,
+    # not by each script's parser, so every script that takes --threads refuses the same
+    most = 4 * cores
+    bounds = f"--threads {threads}: must be in [1, {most}] (4 x the {cores} cores; more only wait)"
+    require(threads is None or 1 <= threads <= most, bounds)
     busy = 0
     if hasattr(os, "getloadavg"):  # not on Windows
         busy = round(os.getloadavg()[0])
@@ -1911,6 +1928,13 @@ class Tokenizer:
             if len(merge) != 2 or "".join(merge) not in vocab:
                 pair = " ".join(merge)
                 raise ValueError(f"{merges_txt}: the merge {pair!r} is not {why}")
+        # In GPT-2's files every piece but the 256 bytes and <|endoftext|> is made by one
+        # merge: a piece that none makes could never be encoded (merges.txt cut or emptied).
+        made = {"".join(merge) for merge in merges} | _CHAR_BYTES.keys() | {GPT2_EOS}
+        unmade = [piece for piece in vocab if piece not in made]
+        count = f"{len(unmade):,} of the pieces of {vocab_json}"
+        reach = f"no merge makes {count} (as {unmade[:1]}): it cannot reach the vocabulary"
+        require(not unmade, f"{merges_txt}: {reach}; use the merges.txt of that vocab.json")
         pieces = sorted(vocab, key=vocab.get)  # in id order
         return cls("bpe", pieces, merges, f"vocab file {vocab_json}")
 
@@ -1920,8 +1944,13 @@ class Tokenizer:
         ok = isinstance(spec, dict) and spec.get("kind") in TOKENIZER_KINDS
         shown = str(spec)[:80]
         require(ok, f"not a tokenizer spec: {shown!r}; expected one of Tokenizer.spec()")
-        vocab = spec.get("vocab")
-        merges = spec.get("merges")
+        # checked: a checkpoint's digest is anyone's to recompute, so it may hold anything
+        vocab = spec.get("vocab") or []
+        texts = isinstance(vocab, list) and all(map(is_text, vocab))
+        require(texts, "tokenizer spec: vocab: not a list of pieces (texts)")
+        merges = spec.get("merges") or []
+        pairs = isinstance(merges, list) and all(map(text_pair, merges))
+        require(pairs, "tokenizer spec: merges: not a list of pairs of pieces")
         return cls(spec["kind"], vocab, merges, "tokenizer spec")
 
     def spec(self) -> dict:
@@ -2031,6 +2060,15 @@ class Tokenizer:
                 piece = " " + piece
             out.append(piece)
         return "".join(out)
+
+
+def text_pair(value) -> bool:
+    """A merge as spec() keeps it: two pieces."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(map(is_text, value))
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str)
 
 
 def read_text(path, what: str) -> str:

@@ -705,6 +705,14 @@ def test_bound_line_prints_the_metrics(part):
     assert part in by_hand_bound().line(15)
 
 
+def test_a_bound_of_one_row_says_it_has_no_standard_error():
+    """A spread across rows needs two: the line says so, rather than "+- nan"."""
+    model = tiny_model()
+    line = elbo(model, random_rows(model.cfg, 1), generator=gen(0)).line(10)
+    assert " nats/token, no standard error from one row, " in line
+    assert "nan" not in line
+
+
 def uniform_replay():
     """Uniform policy, 4 rows (two padded), K = 4 orders drawn for all rows together: each
     row's NLL is the mean over the replayed orders -> (model, rows, NLL per row, tokens per row)."""
@@ -1309,11 +1317,15 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
         "rows-for-batch": (dict(prompt=[[1, 1]] * 3, batch_size=2), "--batch-size"),
         "bos-in-some-rows": (dict(prompt=[[257, 5], [5, 5]], batch_size=2), "some rows start"),
         "compile-cache-free": (dict(compile=True, use_cache=False), "use_cache=True"),
+        "empty-prompt-without-bos": (dict(model=NO_BOS, prompt=[]), "--prompt is empty and"),
     },
 )
 def test_generate_rejects_a_bad_argument(kw, match):
+    """kw: generate's arguments, and "model": tiny_model's (its config)."""
+    kw = dict(kw)
+    model = tiny_model(**kw.pop("model", {}))
     with pytest.raises(ValueError, match=match):
-        generate(tiny_model(), **kw)
+        generate(model, **kw)
 
 
 def test_generate_writes_one_token_when_asked_for_one():
@@ -1532,6 +1544,11 @@ BAD_CHECKPOINTS = {
     "newer.pt": "does not match",
     "non-finite.pt": "weight head.bias is not finite",
     "missing.pt": "not found",
+    # written with a new digest (anyone can recompute one): the weights' container is checked
+    "no-model.pt": "no-model.pt: its field 'model' is not a state dict",
+    "model-a-list.pt": "model-a-list.pt: its field 'model' is not a state dict",
+    "model-of-numbers.pt": "model-of-numbers.pt: its field 'model' is not a state dict",
+    "edited-vocab.pt": "damaged \\(its sha256 digest differs\\)",  # two pieces swapped, old digest
 }
 
 
@@ -1553,6 +1570,16 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
     weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
     setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
+    setdiff.write_checkpoint(tmp_path / "no-model.pt", set_field(ckpt.copy(), ["model"], DELETE))
+    setdiff.write_checkpoint(tmp_path / "model-a-list.pt", ckpt | {"model": [1.0]})
+    numbers = dict.fromkeys(ckpt["model"], 1.0)
+    setdiff.write_checkpoint(tmp_path / "model-of-numbers.pt", ckpt | {"model": numbers})
+    words = tmp_path / "edited-vocab.pt"
+    setdiff.write_checkpoint(words, ckpt | {"tokenizer": WORDPIECE.spec()})
+    signed = torch.load(words, weights_only=True)  # its digest kept below
+    vocab = signed["tokenizer"]["vocab"]
+    vocab[5], vocab[6] = vocab[6], vocab[5]  # other ids for two words
+    torch.save(signed, words)
     load_refused(tmp_path / name, BAD_CHECKPOINTS[name])
 
 
@@ -1743,8 +1770,16 @@ def safetensors_parts(path):
     return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
+NESTED = "(50,000 nested arrays)"  # a JSON value json.dumps cannot nest so deep itself
+
+
+def json_text(tree) -> str:
+    """json.dumps, with NESTED written as "[" * 50000: past any recursion limit of a parser."""
+    return json.dumps(tree).replace(json.dumps(NESTED), "[" * 50000)
+
+
 def write_header(path, header, data):
-    text = json.dumps(header).encode()
+    text = json_text(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
@@ -1943,6 +1978,9 @@ def safetensors_only(exported):
 
 
 E = "backbone.vocab_embed.embedding"  # export_model's (24, 32) float32: bytes [0, 3072)
+# 0 bytes, so data_offsets [0, 0] fit them; 2**63 overflows torch's sizes (int64), 2**62 not
+ZERO_BESIDE_HUGE = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}
+ZERO_BESIDE_2_62 = ZERO_BESIDE_HUGE | {"shape": [0, 2**62]}
 PAST = "data_offsets overlaps another tensor or ends past the"
 
 
@@ -1955,6 +1993,9 @@ PAST = "data_offsets overlaps another tensor or ends past the"
         "unknown-dtype": ((E, "dtype"), "F64", "dtype 'F64'"),
         "shape-a-string": ((E, "shape"), "24x32", "shape '24x32': not a list of sizes"),
         "negative-shape": ((E, "shape"), [-24, -32], "shape"),
+        "zero-beside-huge": ((E,), ZERO_BESIDE_HUGE, r"shape .*: more than the 2\*\*63 - 1"),
+        "zero-beside-2-62": ((E,), ZERO_BESIDE_2_62, r"\(0, 4611686018427387904\) in the file"),
+        "nested-shape": ((E, "shape"), NESTED, "safetensors: header: not a JSON object"),
         "shape-not-the-bytes": ((E, "shape"), [3, 3], r"\[0, 3072\]: not \[start, start \+ 36\]"),
         "no-offsets": ((E, "data_offsets"), DELETE, "data_offsets None"),
         "one-offset": ((E, "data_offsets"), [3072], r"data_offsets \[3072\]"),
@@ -2000,15 +2041,18 @@ def test_load_refuses_a_malformed_safetensors_file(safetensors_only, data, match
         "not-an-object": ((), [], "config.json: not a JSON object"),
         "other-vocab": (("backbone_config", "vocab_size"), 25, "tokenizer files do not fit"),
         "architectures-a-number": (("architectures",), 5, r"an unknown model \(\?"),
+        "nested": (("backbone_config",), NESTED, "config.json is not JSON .*recursion"),
     },
 )
 def test_load_refuses_a_malformed_config_json(exported, keys, value, match):
     spec = set_field(config_of(exported[1]), keys, value)
-    (exported[1] / "config.json").write_text(json.dumps(spec))
+    (exported[1] / "config.json").write_text(json_text(spec))
     load_refused(exported[1], match)
 
 
 REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf, 0, -1, -(10**9), 10**12, 10**30]
+REPLACEMENTS += [NESTED]  # in a checkpoint (not JSON), a plain string
+SIZES = [0, 1, 7, 2**31, 2**63, 10**30]  # a shape's: beside a 0, any size gives 0 bytes
 
 
 def json_slots(tree, keys=()):
@@ -2026,6 +2070,18 @@ def mutate_json(tree, rng):
     return set_field(copy.deepcopy(tree), keys, rng.choice(REPLACEMENTS))
 
 
+def mutate_shape(header, rng):
+    """header with one tensor's shape 1 to 3 random SIZES, its data_offsets spanning the bytes
+    those count (so that the byte count, checked first, passes)."""
+    name = rng.choice([key for key in header if key != "__metadata__"])
+    entry = header[name]
+    shape = rng.choices(SIZES, k=rng.randint(1, 3))
+    itemsize = setdiff.SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+    start = entry["data_offsets"][0]
+    entry |= {"shape": shape, "data_offsets": [start, start + math.prod(shape) * itemsize]}
+    return header
+
+
 def flip_bytes(path, rng):
     data = bytearray(path.read_bytes())
     for _ in range(rng.randint(1, 4)):
@@ -2035,20 +2091,22 @@ def flip_bytes(path, rng):
 
 def fuzz_folder(tmp_path):
     """A released folder of ~1,300 weights (no .bin: its safetensors file is read), and its
-    mutation: a config.json field, a safetensors header field, or a few bits of a file."""
+    mutation: a config.json field, a safetensors header field or shape, or a few bits."""
     folder = tmp_path / "tiny"
     model = export_model(seq_len=8, set_size=2, n_layer=1, d_model=8)
     setdiff.save_released(model, WORDPIECE, folder)
     (folder / "pytorch_model.bin").unlink()
 
     def mutate(rng):
-        kind = rng.randrange(3)
+        kind = rng.randrange(4)
+        header, data = safetensors_parts(folder / "model.safetensors")
         if kind == 0:
             spec = mutate_json(config_of(folder), rng)
-            (folder / "config.json").write_text(json.dumps(spec))
+            (folder / "config.json").write_text(json_text(spec))
         elif kind == 1:
-            header, data = safetensors_parts(folder / "model.safetensors")
             write_header(folder / "model.safetensors", mutate_json(header, rng), data)
+        elif kind == 2:
+            write_header(folder / "model.safetensors", mutate_shape(header, rng), data)
         else:
             flip_bytes(rng.choice(sorted(folder.iterdir())), rng)
 
@@ -2056,7 +2114,8 @@ def fuzz_folder(tmp_path):
 
 
 def fuzz_checkpoint(tmp_path):
-    """A checkpoint, and its mutation: a config field (written with a new digest), or bits."""
+    """A checkpoint, and its mutation: any field, the weights' container too (written with a
+    new digest: anyone can recompute one), or bits."""
     path = tmp_path / "tiny.pt"
     setdiff.save_checkpoint(path, tiny_model(n_layer=1, d_model=8), BYTES)
     ckpt = load_checkpoint(path)[2]
@@ -2065,7 +2124,7 @@ def fuzz_checkpoint(tmp_path):
         if rng.randrange(2):
             flip_bytes(path, rng)
         else:
-            setdiff.write_checkpoint(path, ckpt | {"config": mutate_json(ckpt["config"], rng)})
+            setdiff.write_checkpoint(path, mutate_json(ckpt, rng))
 
     return path, mutate
 
@@ -2451,10 +2510,12 @@ def write_bpe(folder, vocab, merges):
     return Tokenizer.from_bpe(folder / "vocab.json", folder / "merges.txt")
 
 
+BPE_VOCAB = json.dumps({p: i for i, p in enumerate(TINY_BPE + ["<|endoftext|>"])})
+
+
 @pytest.fixture
 def bpe(tmp_path):
-    vocab = {p: i for i, p in enumerate(TINY_BPE + ["<|endoftext|>"])}
-    return write_bpe(tmp_path, json.dumps(vocab, ensure_ascii=False), TINY_MERGES)
+    return write_bpe(tmp_path, BPE_VOCAB, TINY_MERGES)
 
 
 @pytest.fixture
@@ -2592,6 +2653,8 @@ ONE_PIECE = json.dumps({"a": 0, "<|endoftext|>": 1})
         "not-json": ("{not json", TINY_MERGES, "not JSON"),
         "three-pieces": (ONE_PIECE, "a b c\n", "not two pieces"),
         "unknown-result": (ONE_PIECE, "a a\n", "merge 'a a' is not two pieces"),
+        "no-merges": (BPE_VOCAB, "#version: 0.2\n", "merges.txt: no merge makes 6 of the pieces"),
+        "a-merge-cut": (BPE_VOCAB, TINY_MERGES[:-4], r"no merge makes 1 of the pieces .*\['Ã©'\]"),
     },
 )
 def test_from_bpe_refuses_bad_files(tmp_path, vocab, merges, match):
@@ -2628,6 +2691,8 @@ WP = {"kind": "wordpiece"}
         "no-vocab": WP,
         "vocab-not-a-list": WP | {"vocab": "?"},
         "vocab-without-specials": WP | {"vocab": ["x"]},
+        "vocab-a-number": WP | {"vocab": -7},
+        "merges-not-pairs": {"kind": "bpe", "vocab": ["<|endoftext|>"], "merges": [[[]]]},
     },
 )
 def test_from_spec_refuses_a_bad_spec(spec):
@@ -3544,7 +3609,7 @@ def assert_the_older_run_is_kept():
         "cache-dir": (["--cache-dir", "corpus.txt"], "--cache-dir corpus.txt: "),
         "negative-lr": (["--lr", "-1"], "--lr: must be at least 0"),
         "max-set-size-of-block": (["--order", "block", "--max-set-size", "8"], "--max-set-size"),
-        "threads-100000": (["--threads", "100000"], "--threads 100000: at most"),
+        "threads-100000": (["--threads", "100000"], "--threads 100000: must be in [1, "),
         "seed-past-2-64": (["--seed", str(2**64)], "--seed: must be in [0, 18446744073709551616)"),
     },
 )
@@ -3625,6 +3690,22 @@ def test_threads_default_to_the_idle_cores_with_the_reason(train_dir, capsys):
     assert cores == os.cpu_count()
     auto = max(1, cores - load)
     assert threads == torch.get_num_threads() == auto
+
+
+MOST_THREADS = 4 * (os.cpu_count() or 1)  # 4 a core: a --threads runtime still takes
+
+
+@table(
+    "kw,said",
+    {  # runtime's arguments, as the flags give them -> the reason its line gives
+        "device": (dict(device="cpu"), "device: cpu (requested with --device); "),
+        "dtype": (dict(device="cpu", dtype="bfloat16"), "; bfloat16 (requested with --dtype); "),
+        "threads": (dict(threads=2), "; 2 threads (requested with --threads)"),
+        "most-threads": (dict(threads=MOST_THREADS), f"; {MOST_THREADS} threads (requested"),
+    },
+)
+def test_runtime_names_the_flag_behind_each_choice(kw, said):
+    assert said in setdiff.runtime(**kw)[2]
 
 
 def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
@@ -3730,6 +3811,20 @@ def bench_table():
 def test_train_bench_times_each_variant_in_float32_and_bfloat16(bench_table):
     dtypes = [row[0].strip() for row in bench_table]
     assert dtypes == ["float32", "float32", "bfloat16", "bfloat16"]
+
+
+@table(
+    "argv,message",
+    {  # a flag -> what the one error line says, before any timing
+        "threads-negative": ("--threads -3", "--threads -3: must be in [1, "),
+        "heads-not-dividing": ("--n-head 3", "d_model must be a multiple of n_head"),
+    },
+)
+def test_train_bench_bad_flag_is_one_line_and_exit_2(capsys, argv, message):
+    assert train_bench.main(argv.split()) == 2
+    out, err = capsys.readouterr()
+    one_error_line(err, message)
+    assert out == ""
 
 
 def test_train_bench_ratio_is_the_set_diffusion_time_over_ar(bench_table):
@@ -4185,6 +4280,10 @@ def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
         "top-p-0": ("{st} --top-p 0", "--top-p must be in (0, 1]"),
         "no-holes": ("{st} --infill no-holes", "nothing to fill"),
         "empty-span": ("{st} --infill ___0", "___0"),
+        "huge-span": ("{st} --infill 'a ___1000000000000 b'", "--infill: a hole of 10000000"),
+        "span-past-l": ("{st} --infill 'abcdefghij ___14'", "hole of 14 positions after 11 tokens"),
+        "span-to-l": ("{st} --infill 'abcdefghij ___13'", "--infill is 25 tokens (with BOS)"),
+        "huge-span-len": ("{st} --infill 'ab ___' --span-len 1000000000000", "--span-len: a hole"),
         "long-infill": ("{st} --infill " + "[MASK]" * L, f"--infill is {L + 1} tokens"),
         "infill-max-new-tokens": ("{st} --infill [MASK] --max-new-tokens 3", "--max-new-tokens"),
         "prompt-and-infill": ("{st} --prompt a --infill [MASK]", "not allowed"),
@@ -4199,7 +4298,7 @@ def test_compile_without_a_compiler_is_one_line_naming_the_flag(ckpts, capsys):
         "export-bytes": ("{st} --export {d}/exported", "cannot export the bytes tokenizer"),
         "export-into-a-full-folder": ("{st} --export {d}", "exists and is not an empty folder"),
         "export-and-eval": ("{st} --export {d}/exported --eval", "not allowed"),
-        "threads-100000": ("{st} --threads 100000", "--threads 100000: at most"),
+        "threads-100000": ("{st} --threads 100000", "--threads 100000: must be in [1, "),
         "seed-past-2-64": ("{st} --seed " + "9" * 23, "--seed: must be below 18446744073709551616"),
         "negative-seed": ("{st} --seed -1", "--seed: must be at least 0"),
         "export-no-name": ("{st} --export ''", "--export '': give the name of the folder"),
@@ -4510,6 +4609,7 @@ def test_plot_spread_gives_mean_std_and_each_seed():
         "set-judge": ("{d}/st.pt --judge {d}/st.pt", "--order ar"),
         "other-data": ("{d}/other.pt --judge {d}/ar.pt", "not trained on the data"),
         "no-folder": ("{d}/st.pt --judge {d}/ar.pt --json {d}/no/x.json", "folder does not exist"),
+        "threads-negative": ("{d}/st.pt --judge {d}/ar.pt --threads -3", "--threads -3: must be"),
     },
 )
 @pytest.mark.parametrize("script", [compare, infill], ids=["compare", "infill"])

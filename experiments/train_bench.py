@@ -79,8 +79,12 @@ def main(argv=None) -> int:
     threads = shape.pop("threads")
     # the other flags are Config fields; its L is every preset's 128, and its special ids
     # (256-259) serve any V >= 260
-    cfg = setdiff.Config(**shape, dropout=0.0)
-    device, _, how = setdiff.runtime(None, "float32", threads)  # fp32, bf16 below
+    try:  # a bad flag is one line and exit code 2, as in every script
+        cfg = setdiff.Config(**shape, dropout=0.0)
+        device, _, how = setdiff.runtime(None, "float32", threads)  # fp32, bf16 below
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"bench: {how}; batch {B} x L={cfg.seq_len}")
     print("| dtype | variant | ms/step (median) | tokens/s | vs AR |")
     print("|---|---|---|---|---|")
