@@ -2752,7 +2752,8 @@ def test_wrap_rows(stream, seq_len, bos, eos, rows, left):
 # ---- train_small.py: prepared rows ---------------------------------------------------------
 SHAPE = "--n-layer 1 --n-head 2 --d-model 32 --seq-len 32".split()
 TRAIN = "--batch-size 8 --lr 3e-3 --warmup-steps 4 --eval-rows 8 --workers 1 --log-every 4"
-TRAIN = (TRAIN + " --val-fraction 0.1 --threads 1").split()
+# float32 on every CPU (--dtype auto picks bf16 for training where the CPU has it natively)
+TRAIN = (TRAIN + " --val-fraction 0.1 --dtype float32 --threads 1").split()
 
 
 def side(line, fraction):
@@ -3635,6 +3636,77 @@ def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
     assert torch.get_num_threads() == 2
     bounds = [x for x in out.splitlines() if "ppl <=" in x]
     assert len(bounds) == 2 and all("; threads: 2" in x for x in bounds)  # step 1, the best
+
+
+PROGRESS = {  # train_small's flags -> the steps of its plain lines (validations at 3 and 6)
+    "plain": ([], [3, 6]),
+    "quiet": (["--quiet"], []),
+}
+
+
+@pytest.mark.parametrize("flags, steps", PROGRESS.values(), ids=PROGRESS)
+def test_training_into_a_pipe_prints_plain_lines_not_a_bar(train_dir, flags, steps):
+    """A log file holds no bar redraws (carriage returns); a line at each validation says the
+    step, the mean loss of the steps since the last line (metrics.jsonl's) and tokens/s."""
+    out = f"pipe-{len(flags)}"
+    every = ["--max-steps", "6", "--eval-every", "3", "--log-every", "1"]
+    r = python("train_small.py", *run_argv(train_dir, out, *every, *flags))
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout + r.stderr
+    line = r"^step (\d): loss ([\d.]+) \(the mean of 3 steps\); ([\d,]+) tokens/s; lr \S+$"
+    found = re.findall(line, r.stdout, re.M)
+    assert [int(step) for step, _, _ in found] == steps
+    records = logged(train_dir / out, "train")  # a record a step: --log-every 1
+    for step, loss, tok_s in found:
+        last3 = records[int(step) - 3 : int(step)]
+        mean = sum(r["loss"] for r in last3) / 3
+        assert float(loss) == pytest.approx(mean, abs=1e-4)
+        seconds = sum(1 / r["tokens_per_s"] for r in last3)  # a step's, over its tokens
+        assert int(tok_s.replace(",", "")) == pytest.approx(3 / seconds, abs=1)
+
+
+AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 vaes\n"
+SAPPHIRE = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+CPUINFO = {  # /proc/cpuinfo texts -> the bf16 flag named, or ""
+    "epyc-avx512-bf16": (AMD, "avx512_bf16"),
+    "xeon-amx": (SAPPHIRE, "amx_bf16"),
+    "xeon-without": ("vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw\n", ""),
+    "a-longer-name": ("flags\t\t: avx512_bf16x amx_bf16_future\n", ""),
+    "named-outside-flags": ("model name\t: avx512_bf16\nflags\t\t: sse2\n", ""),
+    "first-processor": ("flags\t\t: sse2\n\nflags\t\t: sse2 avx512_bf16\n", ""),
+    "arm-features": ("Features\t: fp asimd bf16 i8mm\n", ""),
+    "not-linux": ("", ""),
+}
+
+
+@pytest.mark.parametrize("cpuinfo, flag", CPUINFO.values(), ids=CPUINFO)
+def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, flag):
+    assert setdiff.native_bf16(cpuinfo) == flag
+
+
+BF16_DEFAULT = {  # the CPU's flags line, --dtype -> the dtype training picks and its reason
+    "native": (AMD, "auto", "bfloat16 (training on a CPU with native bf16: avx512_bf16)"),
+    "emulated": ("flags\t\t: avx2\n", "auto", "float32 (bf16 is not known to be faster"),
+    "asked": (AMD, "float32", "float32 (requested with --dtype)"),
+}
+
+
+@pytest.mark.parametrize("cpuinfo, dtype, said", BF16_DEFAULT.values(), ids=BF16_DEFAULT)
+def test_training_on_a_cpu_picks_bf16_where_it_is_native(
+    train_dir, capsys, monkeypatch, cpuinfo, dtype, said
+):
+    monkeypatch.setattr(setdiff, "cpu_info", lambda: cpuinfo)
+    run = training_run(train_dir, "bf16", "--device", "cpu", "--dtype", dtype, "--force")
+    assert f"device: cpu (requested with --device); {said}" in capsys.readouterr().out
+    assert str(run.dtype) == "torch." + said.split()[0]
+
+
+def test_sampling_on_a_cpu_stays_float32_where_bf16_is_native(monkeypatch):
+    """Sampling keeps its tokens: bf16 is for training steps only."""
+    monkeypatch.setattr(setdiff, "cpu_info", lambda: AMD)
+    _, dtype, line = setdiff.runtime("cpu", "auto", 1)
+    assert dtype == torch.float32
+    assert "; float32 (bf16 is not known to be faster" in line
 
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
