@@ -708,7 +708,8 @@ def penalize_repeats(logits, x, seen, penalty):
 
 def commit_rule(conf, valid, threshold):
     """The most confident candidate plus all with confidence >= tau: never zero tokens in a
-    row that has queries. (Keeping the confident tokens = re-masking the others.)"""
+    row that has queries. Of equally confident candidates the first query (the leftmost) is
+    the most confident. (Keeping the confident tokens = re-masking the others.)"""
     conf = conf.masked_fill(~valid, -1.0)
     best = conf.argmax(1, keepdim=True)  # (B, 1)
     j = torch.arange(conf.shape[1], device=conf.device)  # a query's index in the window

@@ -262,6 +262,52 @@ def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
     assert order[0].tolist() == want
 
 
+EVERY_POLICY = pytest.mark.parametrize("order", list(setdiff.ORDER_POLICIES))  # new ones too
+
+
+@EVERY_POLICY
+def test_every_policy_draws_permutations_with_position_0_first(order):
+    cfg = tiny_cfg(order=order)
+    orders = sample_order(cfg, 16, gen(0))
+    assert torch.equal(orders.sort(1).values, torch.arange(24).expand(16, -1))
+    assert (orders[:, 0] == 0).all()
+
+
+@EVERY_POLICY
+def test_every_policy_orders_stay_in_its_window(order):
+    """Each position its orders reveal lies within max_window of the leftmost one not yet
+    revealed (and, with block edges, in its block): the windows the sampler may open."""
+    cfg = tiny_cfg(order=order)
+    policy = setdiff.order_policy(cfg)
+    for row in sample_order(cfg, 16, gen(1)).tolist():
+        left = set(range(24))
+        for p in row:
+            f = min(left)
+            assert p - f < policy.max_window
+            if policy.block_size:
+                assert p // policy.block_size == f // policy.block_size
+            left.remove(p)
+
+
+@EVERY_POLICY
+def test_every_policy_trains_with_a_finite_loss_and_gradient(order):
+    model = tiny_model(order=order).train()
+    loss = setdiff.set_factorized_loss(model, random_rows(model.cfg, 4), generator=gen(2))
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert math.isfinite(loss.item())
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@EVERY_POLICY
+@table("threshold", {"one-a-call": 1.5, "tau-0.3": 0.3})
+def test_every_policy_samples_every_position(order, threshold):
+    model = tiny_model(order=order)
+    out = generate(model, batch_size=2, threshold=threshold, generator=gen(3))
+    assert not (out.tokens == model.cfg.mask_id).any()
+    assert (out.reveal_call[:, 1:] >= 0).all()  # all but position 0 revealed by a call
+
+
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
 PAPER_SCHEDULES = {
     "L128-d4": (128, 4, 0.059259, 0.358090),
@@ -908,6 +954,44 @@ def test_a_tiny_temperature_is_greedy():
     assert torch.all(conf == 1)
 
 
+def brute_commit(conf, valid, threshold):
+    """The commit rule by a loop: a row reveals its most confident valid query (the first of
+    tied ones) and every valid query at least tau confident -> (B, m) lists of bools."""
+    rows = []
+    for c, ok in zip(conf.tolist(), valid.tolist()):
+        best = None
+        for j in range(len(c)):
+            if ok[j] and (best is None or c[j] > c[best]):
+                best = j
+        rows.append([ok[j] and (c[j] >= threshold or j == best) for j in range(len(c))])
+    return rows
+
+
+COMMITS = {  # confidences (B, m), valid queries (None: all), tau
+    "random-tau-above-1": (torch.rand(6, 5, generator=gen(0)), None, 1.5),
+    "random-tau-0.5": (torch.rand(6, 5, generator=gen(1)), None, 0.5),
+    "random-some-invalid": (torch.rand(6, 5, generator=gen(2)), "random", 0.6),
+    "tie-at-the-top": (torch.tensor([[0.2, 0.4, 0.1, 0.4]]), None, 1.5),
+    "all-tied": (torch.full((2, 4), 0.25), None, 0.5),
+    "tau-met-exactly": (torch.tensor([[0.3, 0.5, 0.2]]), None, 0.3),
+    "best-is-invalid": (torch.tensor([[0.9, 0.2, 0.3]]), [[False, True, True]], 1.5),
+    "row-without-queries": (torch.tensor([[0.9, 0.2], [0.1, 0.8]]), [[0, 0], [1, 1]], 1.5),
+    "tau-0": (torch.rand(3, 4, generator=gen(3)), None, 0.0),
+    "zero-confidence": (torch.tensor([[0.5, 0.0, 0.0]]), [[False, True, True]], 1.5),
+}
+
+
+@table("conf,valid,threshold", COMMITS)
+def test_commit_rule_reveals_the_most_confident_and_every_one_over_tau(conf, valid, threshold):
+    if valid is None:
+        valid = torch.ones_like(conf, dtype=torch.bool)
+    elif valid == "random":
+        valid = torch.rand(conf.shape, generator=gen(4)) < 0.6
+    valid = torch.as_tensor(valid, dtype=torch.bool)
+    got = setdiff.commit_rule(conf, valid, threshold)
+    assert got.tolist() == brute_commit(conf, valid, threshold)
+
+
 def test_zero_head_predicts_uniformly_over_all_but_mask():
     cfg = tiny_cfg()
     fresh = SetDiffusionLM(cfg)
@@ -1199,6 +1283,58 @@ def test_threshold_0_reveals_the_whole_window():
 def test_a_middle_threshold_takes_calls_between_the_extremes():
     some = greedy_rows(0.2)
     assert greedy_rows(0.0).calls <= some.calls <= greedy_rows(1.5).calls
+
+
+class FixedConfidence(torch.nn.Module):
+    """A network whose query at position p proposes the letter 65 + p % 26 with probability
+    conf[b, p] (the rest spread evenly over the other tokens but MASK). It runs the wrapped
+    network first, so a KV cache fills as it would; only the logits are replaced."""
+
+    def __init__(self, net, conf):
+        super().__init__()
+        self.net = net
+        self.cfg = net.cfg
+        self.conf = conf  # (B, L)
+
+    def forward(self, tokens, positions, attn_mask, cache=None, queries=None):
+        self.net(tokens, positions, attn_mask, cache, queries)
+        q = positions[:, positions.shape[1] - queries :]  # (B, m) the queries' positions
+        p = self.conf.gather(1, q)[..., None]  # (B, m, 1)
+        V = self.cfg.vocab_size
+        rest = (1 - p) / (V - 2)  # each other token but MASK
+        probs = rest.expand(*q.shape, V).clone()
+        probs.scatter_(2, 65 + q[..., None] % 26, p)
+        probs[..., self.cfg.mask_id] = 0.0
+        return probs.log()
+
+
+def brute_reveals(conf, window, threshold):
+    """The calls that reveal each position of a row (position 0 given): a loop of the window
+    from the leftmost masked position, its most confident query and those >= tau."""
+    masked = list(range(1, len(conf)))
+    call_of = [setdiff.GIVEN] * len(conf)
+    call = 0
+    while masked:
+        queries = [p for p in masked if p < masked[0] + window]
+        best = max(queries, key=lambda p: (conf[p], -p))  # the first of tied ones
+        chosen = [p for p in queries if conf[p] >= threshold or p == best]
+        for p in chosen:
+            call_of[p] = call
+            masked.remove(p)
+        call += 1
+    return call_of
+
+
+@table("threshold", {"one-a-call": 1.5, "tau-0.7": 0.7})
+@table("use_cache", {"cached": True, "cache-free": False})
+def test_a_sampler_reveals_in_the_order_the_confidences_dictate(threshold, use_cache):
+    """Confidences set by hand, distinct multiples of 1/64 (no rounding ties), greedy."""
+    levels = torch.randperm(24, generator=gen(7)) + 40  # 40..63: the best over (1 - p) / 258
+    conf = torch.stack([levels, levels.flip(0)]) / 64  # (2, 24): a row each way
+    model = FixedConfidence(tiny_model(), conf)
+    out = generate(model, batch_size=2, window=5, threshold=threshold, temperature=0.0)
+    want = [brute_reveals(row, 5, threshold) for row in conf.tolist()]
+    assert out.reveal_call.tolist() == want
 
 
 @on_devices
