@@ -4097,6 +4097,52 @@ def test_sampling_defaults_of_the_library_and_the_script_agree():
     assert params["repetition_penalty"].default == script.repetition_penalty == 1.0
 
 
+FORWARDED = {  # generate()'s arguments that are sample.py flags -> a value not their default
+    "window": 2,
+    "threshold": 0.4,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 7,
+    "stop_at_eos": True,
+    "compile": True,
+}
+MADE_BY_SAMPLE = {"prompt", "infill", "batch_size"}  # text -> ids, rows a batch: tested apart
+
+
+def test_every_generate_argument_with_a_flag_reaches_generate(ckpts, capsys, monkeypatch):
+    """Passed on by name, no list in sample.py: a new argument of generate with a flag fails
+    here until FORWARDED gives it a value, then must arrive with that value."""
+    parser = sample.build_parser()
+    flags = {action.dest for action in parser._actions}
+    params = inspect.signature(generate).parameters
+    assert flags & params.keys() - MADE_BY_SAMPLE == FORWARDED.keys()
+    seen = []
+    real = setdiff.generate
+
+    @functools.wraps(real)
+    def spy(model, **kw):
+        seen.append(kw)
+        return real(model, **kw | {"compile": False})  # compiling would take 15-30 s
+
+    monkeypatch.setattr(setdiff, "generate", spy)
+    argv = ["--ckpt", ckpts / "st.pt"]
+    for name, value in FORWARDED.items():
+        argv.append("--" + name.replace("_", "-"))
+        argv += [] if value is True else [value]
+    sample_ok(capsys, *argv)
+    assert [{name: kw[name] for name in FORWARDED} for kw in seen] == [FORWARDED]
+
+
+def test_no_sample_flag_is_parsed_and_ignored():
+    """A flag is an argument of generate (passed on by its name) or read by sample.py."""
+    source = Path(sample.__file__).read_text()
+    params = inspect.signature(generate).parameters
+    for action in sample.build_parser()._actions:
+        used = action.dest in params or f"args.{action.dest}" in source
+        assert used or action.dest == "help", action.dest
+
+
 def test_samples_are_printed_with_their_calls(ckpts, capsys):
     out = sample_ok(capsys, "--ckpt", ckpts / "st.pt", "--num-samples", 3, "--batch-size", 2)
     headers = [h[:15] for h, _ in samples_of(out)]
