@@ -4,6 +4,7 @@ form, a worked example, rows built by hand, the cache-free path, or a forward wr
 the authors' description. CPU, tiny models, float32 unless exactness needs float64, no downloads.
 Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametrize."""
 
+import ast
 import contextlib
 import copy
 import errno
@@ -5037,6 +5038,22 @@ def test_pip_installs_setdiff_and_the_two_scripts():
     for entry in meta["project"]["scripts"].values():
         module, name = entry.split(":")
         assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_the_quick_tier_is_every_test_of_the_method_sections():
+    """`pytest -m method` (conftest.py) collects each test defined before the checkpoint tests
+    but the compiled sampler's, and none after: here read from the file's syntax tree."""
+    source = Path(__file__).read_text()
+    banner = source.index("\n# ---- checkpoints")
+    end = source.count("\n", 0, banner) + 1  # the banner's line, 1-based
+    defs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    tests = [n for n in defs if n.name.startswith("test_")]
+    want = {n.name for n in tests if n.lineno < end} - {
+        "test_a_compiled_sampler_draws_the_eager_tokens"
+    }
+    r = python("-m", "pytest", "--collect-only", "-q", "-m", "method", "test_setdiff.py")
+    ids = [line for line in r.stdout.splitlines() if "::" in line]
+    assert {i.split("::")[1].split("[")[0] for i in ids} == want
 
 
 # ---- experiments/gpu_check.py --------------------------------------------------------------
