@@ -3833,6 +3833,7 @@ def test_training_on_a_cpu_picks_bf16_where_it_is_native(
     train_dir, capsys, monkeypatch, cpuinfo, dtype, said
 ):
     monkeypatch.setattr(setdiff, "cpu_info", lambda: cpuinfo)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # a GPU beside: no matter
     run = training_run(train_dir, "bf16", "--device", "cpu", "--dtype", dtype, "--force")
     assert f"device: cpu (requested with --device); {said}" in capsys.readouterr().out
     assert str(run.dtype) == "torch." + said.split()[0]
