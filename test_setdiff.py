@@ -3821,6 +3821,13 @@ def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, flag):
     assert setdiff.native_bf16(cpuinfo) == flag
 
 
+def test_cpu_info_is_the_machines_own_description():
+    """/proc/cpuinfo's text where the system has one (Linux), "" elsewhere: never an error."""
+    path = Path("/proc/cpuinfo")
+    want = path.read_text() if path.exists() else ""
+    assert setdiff.cpu_info() == want
+
+
 BF16_DEFAULT = {  # the CPU's flags line, --dtype -> the dtype training picks and its reason
     "native": (AMD, "auto", "bfloat16 (training on a CPU with native bf16: avx512_bf16)"),
     "emulated": ("flags\t\t: avx2\n", "auto", "float32 (bf16 is not known to be faster"),
