@@ -18,6 +18,7 @@ try:  # Ctrl-C while torch loads (a second or more) ends as it does later: a lin
     import array
     import collections
     import glob
+    import inspect
     import math
     import os
     import re
@@ -166,12 +167,23 @@ def decode_order(tok: Tokenizer, ids: list, calls: list) -> str:
     return f"--- decode order:\n{picture}\n--- calls revealed: {summary}"
 
 
+# generate()'s arguments that sample() makes from its flags itself: text -> ids, rows a batch
+MADE_HERE = {"prompt", "infill", "batch_size"}
+
+
+def generate_options(args) -> dict:
+    """Every flag named as an argument of setdiff.generate, passed on as given (generate checks
+    them): a new argument of generate needs its flag here, nothing else. Flag and argument have
+    one name, so no list has to be kept in step."""
+    names = set(inspect.signature(setdiff.generate).parameters) - MADE_HERE
+    flags = vars(args)
+    return {name: flags[name] for name in names & flags.keys()}
+
+
 def sample(args, model, tok: Tokenizer):
     """Draw --num-samples samples in batches of --batch-size rows (bounded memory, whatever
     the number), each printed as soon as its batch is done, with its speed."""
-    flags = ["window", "threshold", "temperature", "top_p", "repetition_penalty"]
-    flags += ["max_new_tokens", "stop_at_eos", "compile"]
-    options = {name: getattr(args, name) for name in flags}  # generate() checks them
+    options = generate_options(args)
     # generate() puts BOS first where the model has one (without BOS, as GPT-2/OWT,
     # unconditional samples start from EOS)
     if args.infill is not None:

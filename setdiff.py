@@ -710,7 +710,8 @@ def penalize_repeats(logits, x, seen, penalty):
 
 def commit_rule(conf, valid, threshold):
     """The most confident candidate plus all with confidence >= tau: never zero tokens in a
-    row that has queries. (Keeping the confident tokens = re-masking the others.)"""
+    row that has queries. Of equally confident candidates the first query (the leftmost) is
+    the most confident. (Keeping the confident tokens = re-masking the others.)"""
     conf = conf.masked_fill(~valid, -1.0)
     best = conf.argmax(1, keepdim=True)  # (B, 1)
     j = torch.arange(conf.shape[1], device=conf.device)  # a query's index in the window
@@ -1617,10 +1618,49 @@ def released_tokenizer_files(tok: Tokenizer) -> dict:
 
 
 # ---- Running: device, dtype, threads, compile ---------------------------------------------------
-def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 arithmetic in hardware
+
+
+def native_bf16(cpuinfo: str) -> str:
+    """The first of BF16_FLAGS among a CPU's flags (the first "flags" line of Linux's
+    /proc/cpuinfo text), or "" where there is none: another CPU, or not Linux's text."""
+    found = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    flags = found[1].split() if found else []
+    named = [flag for flag in BF16_FLAGS if flag in flags]
+    return named[0] if named else ""
+
+
+def cpu_info() -> str:
+    """/proc/cpuinfo on Linux; "" elsewhere (macOS, Windows), where no bf16 is assumed."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def autocast_dtype(where: torch.device, dtype="auto", training=False) -> tuple:
+    """-> (the autocast dtype, why): `dtype` unless "auto"; bf16 on a GPU that has it (the
+    paper trains with bf16), and for training on a CPU whose flags name native bf16; otherwise
+    float32. NOTE: a CPU without native bf16 emulates it, and a training step gets slower;
+    sampling on a CPU stays float32, as bf16 is not known to be faster there and would change
+    the tokens (experiments/README.md, "Machines")."""
+    if dtype != "auto":
+        return getattr(torch, dtype), "requested with --dtype"
+    if where.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16)"
+    flag = ""
+    if where.type == "cpu" and training:
+        flag = native_bf16(cpu_info())
+    if flag:
+        return torch.bfloat16, f"training on a CPU with native bf16: {flag}"
+    return torch.float32, "bf16 is not known to be faster: experiments/train_bench.py"
+
+
+def runtime(device=None, dtype="auto", threads=None, local_rank=0, training=False) -> tuple:
     """Where and how to run, each choice with its reason -> (device, dtype, a line saying so):
     the device given (checked) or the first of cuda, mps, cpu ("cuda" under torchrun: this
-    process's GPU); the autocast dtype, bf16 on a GPU that has it; torch's threads, as given or
+    process's GPU); the autocast dtype (autocast_dtype); torch's threads, as given or
     the cores other processes leave idle. NOTE: torch's default, a thread per core, collapses
     beside other work (experiments/README.md, "Machines")."""
     usable = []
@@ -1642,15 +1682,7 @@ def runtime(device=None, dtype="auto", threads=None, local_rank=0) -> tuple:
     if name == "cuda":
         name = f"cuda:{local_rank}"  # this process's GPU under torchrun
     where = torch.device(name)
-    if dtype != "auto":
-        how = getattr(torch, dtype)
-        why_dtype = "requested with --dtype"
-    elif where.type == "cuda" and torch.cuda.is_bf16_supported():
-        how = torch.bfloat16
-        why_dtype = "the GPU supports bf16 (the paper trains with bf16)"
-    else:  # NOTE: bf16 on a CPU is faster on some and slower on others (experiments/README.md)
-        how = torch.float32
-        why_dtype = "bf16 is not known to be faster: experiments/train_bench.py"
+    how, why_dtype = autocast_dtype(where, dtype, training)
     cores = os.cpu_count() or 1
     # NOTE: bounded: torch crawls at thousands of threads and crashes at 10^5; checked here,
     # not by each script's parser, so every script that takes --threads refuses the same

@@ -4,6 +4,7 @@ form, a worked example, rows built by hand, the cache-free path, or a forward wr
 the authors' description. CPU, tiny models, float32 unless exactness needs float64, no downloads.
 Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametrize."""
 
+import ast
 import contextlib
 import copy
 import errno
@@ -260,6 +261,52 @@ def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
     order = sample_order(tiny_cfg(order="r2l"), 1, gen(0))
     want = [0, *range(23, 0, -1)]  # position 0 given, then right to left
     assert order[0].tolist() == want
+
+
+EVERY_POLICY = pytest.mark.parametrize("order", list(setdiff.ORDER_POLICIES))  # new ones too
+
+
+@EVERY_POLICY
+def test_every_policy_draws_permutations_with_position_0_first(order):
+    cfg = tiny_cfg(order=order)
+    orders = sample_order(cfg, 16, gen(0))
+    assert torch.equal(orders.sort(1).values, torch.arange(24).expand(16, -1))
+    assert (orders[:, 0] == 0).all()
+
+
+@EVERY_POLICY
+def test_every_policy_orders_stay_in_its_window(order):
+    """Each position its orders reveal lies within max_window of the leftmost one not yet
+    revealed (and, with block edges, in its block): the windows the sampler may open."""
+    cfg = tiny_cfg(order=order)
+    policy = setdiff.order_policy(cfg)
+    for row in sample_order(cfg, 16, gen(1)).tolist():
+        left = set(range(24))
+        for p in row:
+            f = min(left)
+            assert p - f < policy.max_window
+            if policy.block_size:
+                assert p // policy.block_size == f // policy.block_size
+            left.remove(p)
+
+
+@EVERY_POLICY
+def test_every_policy_trains_with_a_finite_loss_and_gradient(order):
+    model = tiny_model(order=order).train()
+    loss = setdiff.set_factorized_loss(model, random_rows(model.cfg, 4), generator=gen(2))
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert math.isfinite(loss.item())
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@EVERY_POLICY
+@table("threshold", {"one-a-call": 1.5, "tau-0.3": 0.3})
+def test_every_policy_samples_every_position(order, threshold):
+    model = tiny_model(order=order)
+    out = generate(model, batch_size=2, threshold=threshold, generator=gen(3))
+    assert not (out.tokens == model.cfg.mask_id).any()
+    assert (out.reveal_call[:, 1:] >= 0).all()  # all but position 0 revealed by a call
 
 
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
@@ -916,6 +963,44 @@ def test_a_tiny_temperature_is_greedy():
     assert torch.all(conf == 1)
 
 
+def brute_commit(conf, valid, threshold):
+    """The commit rule by a loop: a row reveals its most confident valid query (the first of
+    tied ones) and every valid query at least tau confident -> (B, m) lists of bools."""
+    rows = []
+    for c, ok in zip(conf.tolist(), valid.tolist()):
+        best = None
+        for j in range(len(c)):
+            if ok[j] and (best is None or c[j] > c[best]):
+                best = j
+        rows.append([ok[j] and (c[j] >= threshold or j == best) for j in range(len(c))])
+    return rows
+
+
+COMMITS = {  # confidences (B, m), valid queries (None: all), tau
+    "random-tau-above-1": (torch.rand(6, 5, generator=gen(0)), None, 1.5),
+    "random-tau-0.5": (torch.rand(6, 5, generator=gen(1)), None, 0.5),
+    "random-some-invalid": (torch.rand(6, 5, generator=gen(2)), "random", 0.6),
+    "tie-at-the-top": (torch.tensor([[0.2, 0.4, 0.1, 0.4]]), None, 1.5),
+    "all-tied": (torch.full((2, 4), 0.25), None, 0.5),
+    "tau-met-exactly": (torch.tensor([[0.3, 0.5, 0.2]]), None, 0.3),
+    "best-is-invalid": (torch.tensor([[0.9, 0.2, 0.3]]), [[False, True, True]], 1.5),
+    "row-without-queries": (torch.tensor([[0.9, 0.2], [0.1, 0.8]]), [[0, 0], [1, 1]], 1.5),
+    "tau-0": (torch.rand(3, 4, generator=gen(3)), None, 0.0),
+    "zero-confidence": (torch.tensor([[0.5, 0.0, 0.0]]), [[False, True, True]], 1.5),
+}
+
+
+@table("conf,valid,threshold", COMMITS)
+def test_commit_rule_reveals_the_most_confident_and_every_one_over_tau(conf, valid, threshold):
+    if valid is None:
+        valid = torch.ones_like(conf, dtype=torch.bool)
+    elif valid == "random":
+        valid = torch.rand(conf.shape, generator=gen(4)) < 0.6
+    valid = torch.as_tensor(valid, dtype=torch.bool)
+    got = setdiff.commit_rule(conf, valid, threshold)
+    assert got.tolist() == brute_commit(conf, valid, threshold)
+
+
 def test_zero_head_predicts_uniformly_over_all_but_mask():
     cfg = tiny_cfg()
     fresh = SetDiffusionLM(cfg)
@@ -1207,6 +1292,58 @@ def test_threshold_0_reveals_the_whole_window():
 def test_a_middle_threshold_takes_calls_between_the_extremes():
     some = greedy_rows(0.2)
     assert greedy_rows(0.0).calls <= some.calls <= greedy_rows(1.5).calls
+
+
+class FixedConfidence(torch.nn.Module):
+    """A network whose query at position p proposes the letter 65 + p % 26 with probability
+    conf[b, p] (the rest spread evenly over the other tokens but MASK). It runs the wrapped
+    network first, so a KV cache fills as it would; only the logits are replaced."""
+
+    def __init__(self, net, conf):
+        super().__init__()
+        self.net = net
+        self.cfg = net.cfg
+        self.conf = conf  # (B, L)
+
+    def forward(self, tokens, positions, attn_mask, cache=None, queries=None):
+        self.net(tokens, positions, attn_mask, cache, queries)
+        q = positions[:, positions.shape[1] - queries :]  # (B, m) the queries' positions
+        p = self.conf.gather(1, q)[..., None]  # (B, m, 1)
+        V = self.cfg.vocab_size
+        rest = (1 - p) / (V - 2)  # each other token but MASK
+        probs = rest.expand(*q.shape, V).clone()
+        probs.scatter_(2, 65 + q[..., None] % 26, p)
+        probs[..., self.cfg.mask_id] = 0.0
+        return probs.log()
+
+
+def brute_reveals(conf, window, threshold):
+    """The calls that reveal each position of a row (position 0 given): a loop of the window
+    from the leftmost masked position, its most confident query and those >= tau."""
+    masked = list(range(1, len(conf)))
+    call_of = [setdiff.GIVEN] * len(conf)
+    call = 0
+    while masked:
+        queries = [p for p in masked if p < masked[0] + window]
+        best = max(queries, key=lambda p: (conf[p], -p))  # the first of tied ones
+        chosen = [p for p in queries if conf[p] >= threshold or p == best]
+        for p in chosen:
+            call_of[p] = call
+            masked.remove(p)
+        call += 1
+    return call_of
+
+
+@table("threshold", {"one-a-call": 1.5, "tau-0.7": 0.7})
+@table("use_cache", {"cached": True, "cache-free": False})
+def test_a_sampler_reveals_in_the_order_the_confidences_dictate(threshold, use_cache):
+    """Confidences set by hand, distinct multiples of 1/64 (no rounding ties), greedy."""
+    levels = torch.randperm(24, generator=gen(7)) + 40  # 40..63: the best over (1 - p) / 258
+    conf = torch.stack([levels, levels.flip(0)]) / 64  # (2, 24): a row each way
+    model = FixedConfidence(tiny_model(), conf)
+    out = generate(model, batch_size=2, window=5, threshold=threshold, temperature=0.0)
+    want = [brute_reveals(row, 5, threshold) for row in conf.tolist()]
+    assert out.reveal_call.tolist() == want
 
 
 @on_devices
@@ -2817,7 +2954,8 @@ def test_wrap_rows(stream, seq_len, bos, eos, rows, left):
 # ---- train_small.py: prepared rows ---------------------------------------------------------
 SHAPE = "--n-layer 1 --n-head 2 --d-model 32 --seq-len 32".split()
 TRAIN = "--batch-size 8 --lr 3e-3 --warmup-steps 4 --eval-rows 8 --workers 1 --log-every 4"
-TRAIN = (TRAIN + " --val-fraction 0.1 --threads 1").split()
+# float32 on every CPU (--dtype auto picks bf16 for training where the CPU has it natively)
+TRAIN = (TRAIN + " --val-fraction 0.1 --dtype float32 --threads 1").split()
 
 
 def side(line, fraction):
@@ -3718,6 +3856,85 @@ def test_threads_flag_sets_the_count_that_every_bound_names(train_dir, capsys):
     assert len(bounds) == 2 and all("; threads: 2" in x for x in bounds)  # step 1, the best
 
 
+PROGRESS = {  # train_small's flags -> the steps of its plain lines (validations at 3 and 6)
+    "plain": ([], [3, 6]),
+    "quiet": (["--quiet"], []),
+}
+
+
+@pytest.mark.parametrize("flags, steps", PROGRESS.values(), ids=PROGRESS)
+def test_training_into_a_pipe_prints_plain_lines_not_a_bar(train_dir, flags, steps):
+    """A log file holds no bar redraws (carriage returns); a line at each validation says the
+    step, the mean loss of the steps since the last line (metrics.jsonl's) and tokens/s."""
+    out = f"pipe-{len(flags)}"
+    every = ["--max-steps", "6", "--eval-every", "3", "--log-every", "1"]
+    r = python("train_small.py", *run_argv(train_dir, out, *every, *flags))
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout + r.stderr
+    line = r"^step (\d): loss ([\d.]+) \(the mean of 3 steps\); ([\d,]+) tokens/s; lr \S+$"
+    found = re.findall(line, r.stdout, re.M)
+    assert [int(step) for step, _, _ in found] == steps
+    records = logged(train_dir / out, "train")  # a record a step: --log-every 1
+    for step, loss, tok_s in found:
+        last3 = records[int(step) - 3 : int(step)]
+        mean = sum(r["loss"] for r in last3) / 3
+        assert float(loss) == pytest.approx(mean, abs=1e-4)
+        seconds = sum(1 / r["tokens_per_s"] for r in last3)  # a step's, over its tokens
+        assert int(tok_s.replace(",", "")) == pytest.approx(3 / seconds, abs=1)
+
+
+AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 vaes\n"
+SAPPHIRE = "vendor_id\t: GenuineIntel\nflags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+CPUINFO = {  # /proc/cpuinfo texts -> the bf16 flag named, or ""
+    "epyc-avx512-bf16": (AMD, "avx512_bf16"),
+    "xeon-amx": (SAPPHIRE, "amx_bf16"),
+    "xeon-without": ("vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f avx512bw\n", ""),
+    "a-longer-name": ("flags\t\t: avx512_bf16x amx_bf16_future\n", ""),
+    "named-outside-flags": ("model name\t: avx512_bf16\nflags\t\t: sse2\n", ""),
+    "first-processor": ("flags\t\t: sse2\n\nflags\t\t: sse2 avx512_bf16\n", ""),
+    "arm-features": ("Features\t: fp asimd bf16 i8mm\n", ""),
+    "not-linux": ("", ""),
+}
+
+
+@pytest.mark.parametrize("cpuinfo, flag", CPUINFO.values(), ids=CPUINFO)
+def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, flag):
+    assert setdiff.native_bf16(cpuinfo) == flag
+
+
+def test_cpu_info_is_the_machines_own_description():
+    """/proc/cpuinfo's text where the system has one (Linux), "" elsewhere: never an error."""
+    path = Path("/proc/cpuinfo")
+    want = path.read_text() if path.exists() else ""
+    assert setdiff.cpu_info() == want
+
+
+BF16_DEFAULT = {  # the CPU's flags line, --dtype -> the dtype training picks and its reason
+    "native": (AMD, "auto", "bfloat16 (training on a CPU with native bf16: avx512_bf16)"),
+    "emulated": ("flags\t\t: avx2\n", "auto", "float32 (bf16 is not known to be faster"),
+    "asked": (AMD, "float32", "float32 (requested with --dtype)"),
+}
+
+
+@pytest.mark.parametrize("cpuinfo, dtype, said", BF16_DEFAULT.values(), ids=BF16_DEFAULT)
+def test_training_on_a_cpu_picks_bf16_where_it_is_native(
+    train_dir, capsys, monkeypatch, cpuinfo, dtype, said
+):
+    monkeypatch.setattr(setdiff, "cpu_info", lambda: cpuinfo)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # a GPU beside: no matter
+    run = training_run(train_dir, "bf16", "--device", "cpu", "--dtype", dtype, "--force")
+    assert f"device: cpu (requested with --device); {said}" in capsys.readouterr().out
+    assert str(run.dtype) == "torch." + said.split()[0]
+
+
+def test_sampling_on_a_cpu_stays_float32_where_bf16_is_native(monkeypatch):
+    """Sampling keeps its tokens: bf16 is for training steps only."""
+    monkeypatch.setattr(setdiff, "cpu_info", lambda: AMD)
+    _, dtype, line = setdiff.runtime("cpu", "auto", 1)
+    assert dtype == torch.float32
+    assert "; float32 (bf16 is not known to be faster" in line
+
+
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -3982,6 +4199,52 @@ def test_sampling_defaults_of_the_library_and_the_script_agree():
     assert params["top_p"].default == script.top_p == 1.0
     assert params["temperature"].default == script.temperature
     assert params["repetition_penalty"].default == script.repetition_penalty == 1.0
+
+
+FORWARDED = {  # generate()'s arguments that are sample.py flags -> a value not their default
+    "window": 2,
+    "threshold": 0.4,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 7,
+    "stop_at_eos": True,
+    "compile": True,
+}
+MADE_BY_SAMPLE = {"prompt", "infill", "batch_size"}  # text -> ids, rows a batch: tested apart
+
+
+def test_every_generate_argument_with_a_flag_reaches_generate(ckpts, capsys, monkeypatch):
+    """Passed on by name, no list in sample.py: a new argument of generate with a flag fails
+    here until FORWARDED gives it a value, then must arrive with that value."""
+    parser = sample.build_parser()
+    flags = {action.dest for action in parser._actions}
+    params = inspect.signature(generate).parameters
+    assert flags & params.keys() - MADE_BY_SAMPLE == FORWARDED.keys()
+    seen = []
+    real = setdiff.generate
+
+    @functools.wraps(real)
+    def spy(model, **kw):
+        seen.append(kw)
+        return real(model, **kw | {"compile": False})  # compiling would take 15-30 s
+
+    monkeypatch.setattr(setdiff, "generate", spy)
+    argv = ["--ckpt", ckpts / "st.pt"]
+    for name, value in FORWARDED.items():
+        argv.append("--" + name.replace("_", "-"))
+        argv += [] if value is True else [value]
+    sample_ok(capsys, *argv)
+    assert [{name: kw[name] for name in FORWARDED} for kw in seen] == [FORWARDED]
+
+
+def test_no_sample_flag_is_parsed_and_ignored():
+    """A flag is an argument of generate (passed on by its name) or read by sample.py."""
+    source = Path(sample.__file__).read_text()
+    params = inspect.signature(generate).parameters
+    for action in sample.build_parser()._actions:
+        used = action.dest in params or f"args.{action.dest}" in source
+        assert used or action.dest == "help", action.dest
 
 
 def test_samples_are_printed_with_their_calls(ckpts, capsys):
@@ -4883,6 +5146,22 @@ def test_pip_installs_setdiff_and_the_two_scripts():
     for entry in meta["project"]["scripts"].values():
         module, name = entry.split(":")
         assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_the_quick_tier_is_every_test_of_the_method_sections():
+    """`pytest -m method` (conftest.py) collects each test defined before the checkpoint tests
+    but the compiled sampler's, and none after: here read from the file's syntax tree."""
+    source = Path(__file__).read_text()
+    banner = source.index("\n# ---- checkpoints")
+    end = source.count("\n", 0, banner) + 1  # the banner's line, 1-based
+    defs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    tests = [n for n in defs if n.name.startswith("test_")]
+    want = {n.name for n in tests if n.lineno < end} - {
+        "test_a_compiled_sampler_draws_the_eager_tokens"
+    }
+    r = python("-m", "pytest", "--collect-only", "-q", "-m", "method", "test_setdiff.py")
+    ids = [line for line in r.stdout.splitlines() if "::" in line]
+    assert {i.split("::")[1].split("[")[0] for i in ids} == want
 
 
 # ---- experiments/gpu_check.py --------------------------------------------------------------

@@ -96,7 +96,7 @@ PRESETS = {"cpu": CPU, "lm1b": LM1B, "lm1b-small": LM1B_SMALL}
 SHAPE = ("seq_len", "n_layer", "n_head", "d_model", "order", "set_size", "max_set_size")
 # Flags a resumed run may change; it takes every other setting from its checkpoint.
 MAY_CHANGE = {"out", "resume", "force", "device", "dtype", "compile", "threads", "workers"}
-MAY_CHANGE |= {"cache_dir", "log_every", "max_steps", "eval_every", "eval_rows", "lr"}
+MAY_CHANGE |= {"cache_dir", "log_every", "max_steps", "eval_every", "eval_rows", "lr", "quiet"}
 
 
 # ---- Built-in corpus: prose sentences from the docstrings of Python, numpy and torch -------
@@ -157,7 +157,8 @@ def builtin_corpus(cache_dir, roots=None, out=None) -> Path:
             dirs[:] = sorted(d for d in dirs if d not in SKIPPED)
             files += [Path(folder) / n for n in sorted(names) if n.endswith(".py")]
     sentences = {}  # a dict keeps each sentence's first place
-    for f in tqdm(files, desc="built-in corpus", unit="file", delay=1):
+    # disable=None: no bar where stderr is not a terminal (a log file would hold its redraws)
+    for f in tqdm(files, desc="built-in corpus", unit="file", delay=1, disable=None):
         sentences.update(dict.fromkeys(prose_sentences(f)))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # renamed when whole: never half a file
@@ -270,7 +271,8 @@ def build_rows(folder, files, sources, tok, seq_len, val_fraction, workers, verb
     total = sum(source["size"] for source in sources)
     if total <= 2 * CHUNK_BYTES:
         workers = 1  # small: workers would cost, not save
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not verbose)
+    shown = None if verbose else True  # None: a bar on a terminal only
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=shown)
     counts = {side: dict(rows=0, documents=0, tokens=0, text_bytes=0) for side in SIDES}
     carry = {side: np.empty(0, np.uint16) for side in SIDES}  # tokens waiting for a row
     lines = np.zeros((len(files), 2), np.int64)  # a file's lines of text, and bad lines
@@ -412,11 +414,18 @@ def build_parser() -> Parser:
     )
     add("--init-from", help="fine-tune a ckpt/model folder: its config, tokenizer win over flags")
     add("--log-every", type=positive, default=10, help="steps between loss lines (%(default)s)")
+    add(
+        "--quiet",
+        action="store_true",
+        help="no progress: no bar, nor plain lines where not a terminal",
+    )
     add("--out", default="out", help="run folder: ckpt.pt, best.pt, metrics.jsonl (%(default)s)")
     add("--resume", action="store_true", help="continue the run in --out exactly")
     add("--force", action="store_true", help="overwrite a different run in --out")
     add("--device", help="cuda, cuda:N, mps or cpu (default: the first of them available)")
-    add("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="autocast")
+    dtypes = ["auto", "float32", "bfloat16"]
+    bf16 = "auto: bf16 on a GPU that has it or a CPU with native bf16"
+    add("--dtype", choices=dtypes, default="auto", help=f"autocast ({bf16})")
     add("--compile", action="store_true", help="torch.compile the training step")
     add("--threads", type=positive, help="CPU threads (default: the cores other work leaves)")
     seeds = within(0, 2**64, kind=int)  # torch.manual_seed's
@@ -511,7 +520,9 @@ def resumed(args, given) -> tuple:
             f"{flag(key)} {mine} differs from the resumed run's {theirs}: it keeps those",
         )
     changed = {key: getattr(args, key) for key in given & MAY_CHANGE}
-    settings = saved | changed | {"out": args.out, "resume": True}
+    # --quiet is this invocation's display, never the saved run's
+    here = {"out": args.out, "resume": True, "quiet": args.quiet}
+    settings = saved | changed | here
     return argparse.Namespace(**settings), tok, model.cfg, ckpt, None
 
 
@@ -644,7 +655,9 @@ def setup(args, given) -> Run:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # the settings first: a resumed run's --device, --dtype and --threads, unless given again
     args, tok, cfg, ckpt, source = settings(args, given)
-    device, dtype, how = setdiff.runtime(args.device, args.dtype, args.threads, local_rank)
+    device, dtype, how = setdiff.runtime(
+        args.device, args.dtype, args.threads, local_rank, training=True
+    )
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         # a long timeout: rank 0 may take a while to tokenize a large corpus
@@ -808,6 +821,55 @@ def evaluate(run: Run, step: int) -> None:
         save(run.out / "best.pt", run)
 
 
+class Window:
+    """The training steps since a mark: their mean loss and tokens/s. Each step is timed on its
+    own, so validations and saves between steps do not count as training time."""
+
+    def __init__(self, tokens_a_step: int):
+        self.tokens_a_step = tokens_a_step
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.steps = 0
+        self.seconds = 0.0
+
+    def add(self, loss: float, seconds: float) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+        self.seconds += seconds
+
+    def loss(self) -> float:
+        return self.loss_sum / self.steps
+
+    def tokens_per_s(self) -> float:
+        return self.steps * self.tokens_a_step / self.seconds
+
+
+def log_loss(run: Run, bar, window: Window) -> None:
+    """The loss line, the mean since the last: the bar's postfix and metrics.jsonl's record."""
+    loss = window.loss()
+    lr = run.opt.param_groups[0]["lr"]
+    tok_s = window.tokens_per_s()
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
+    if run.rank == 0:
+        record = dict(step=run.step, kind="train", loss=loss, lr=lr, tokens_per_s=tok_s)
+        log_metrics(run, record)
+    window.reset()
+
+
+def print_progress(run: Run, window: Window) -> None:
+    """The plain line printed instead of the bar where the output is not a terminal (a cluster
+    job's log file, a pipe), at each validation: the steps since the last line."""
+    loss = window.loss()
+    mean = f"the mean of {window.steps:,} steps"
+    tok_s = window.tokens_per_s()
+    lr = run.opt.param_groups[0]["lr"]
+    print(f"step {run.step:,}: loss {loss:.4f} ({mean}); {tok_s:,.0f} tokens/s; lr {lr:.2e}")
+    sys.stdout.flush()  # a log file shows the line now, not when a buffer fills
+    window.reset()
+
+
 def summary(run: Run, tokens0: int, start: float) -> None:
     """Speed, the best validation, and a sample of the EMA weights (generate's defaults)."""
     speed = (run.tokens - tokens0) / (time.perf_counter() - start)
@@ -821,26 +883,32 @@ def summary(run: Run, tokens0: int, start: float) -> None:
 
 
 def train(args, given) -> int:
-    """Set up, then the loop: steps, loss lines, validations with ckpt.pt. Ctrl-C or SIGTERM (a
-    job scheduler's) stops it between two steps and saves ckpt.pt. -> 0 done, 130 stopped."""
+    """Set up, then the loop: steps, loss lines, validations with ckpt.pt. Progress: a bar on a
+    terminal; where stderr is not one (a log file, a pipe), whose redraws would fill it, a plain
+    line at each validation instead; --quiet, neither. Ctrl-C or SIGTERM (a job scheduler's)
+    stops it between two steps and saves ckpt.pt. -> 0 done, 130 stopped."""
     run = setup(args, given)
     args = run.args
     master = run.rank == 0
     step0 = run.step  # > 0 for a resumed run
     tokens0 = run.tokens
     start = time.perf_counter()
-    bar = tqdm(total=args.max_steps, initial=step0, disable=not master, unit="step")
+    shown = master and not args.quiet
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=args.max_steps, initial=step0, disable=not (shown and terminal), unit="step")
+    plain = shown and not terminal  # plain lines instead of the bar
+    tokens_a_step = run.G * run.cfg.seq_len
+    logged = Window(tokens_a_step)  # since the last loss line
+    printed = Window(tokens_a_step)  # since the last plain line
     signals = []  # a handler only notes the signal: the loop stops between steps, never in one
 
     def note_signal(signum, frame):
         signals.append(signal.Signals(signum).name)
 
     handlers = {sig: signal.signal(sig, note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    loss_sum = 0.0
-    since = time.perf_counter()  # the loss line's steps: since when, how many
-    steps = 0
     try:
         for step in range(step0, args.max_steps):
+            began = time.perf_counter()
             loss = train_step(run, step)
             # One all-reduce a step: the loss, and whether a process was signalled (they stop
             # together, or one would wait for the others forever). Reading it syncs the device.
@@ -853,24 +921,17 @@ def train(args, given) -> int:
                 math.isfinite(loss),
                 f"step {run.step:,}: the loss is {loss}: the run diverged; lower --lr",
             )
-            loss_sum += loss
-            steps += 1
+            seconds = time.perf_counter() - began  # the loss's read waited for the step
+            logged.add(loss, seconds)
+            printed.add(loss, seconds)
             bar.update(1)
             last = run.step == args.max_steps  # the last step always logs and evaluates
-            if run.step % args.log_every == 0 or last:  # the mean loss since the last line
-                loss = loss_sum / steps  # per step
-                lr = run.opt.param_groups[0]["lr"]
-                tok_s = steps * run.G * run.cfg.seq_len / (time.perf_counter() - since)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
-                if master:
-                    record = dict(step=run.step, kind="train", loss=loss, lr=lr, tokens_per_s=tok_s)
-                    log_metrics(run, record)
-                loss_sum = 0.0
-                since = time.perf_counter()
-                steps = 0
+            if run.step % args.log_every == 0 or last:
+                log_loss(run, bar, logged)
             if master and (run.step % args.eval_every == 0 or last):
+                if plain:
+                    print_progress(run, printed)
                 evaluate(run, run.step)
-                since = time.perf_counter()  # validation is not training speed
             if stop:
                 break
     finally:
