@@ -100,7 +100,7 @@ def check_config(cfg):
     if cfg.order == "staggered" and s is not None:
         bounds = f"[d={d}, L={L}]"
         require(d <= s <= L, f"the largest set size s must be in {bounds}, got {s}")
-    order_policy(cfg)  # a policy must say both its training order and its window
+    check_policy(cfg)  # a policy must say its training order and how the sampler follows it
     head_dim = cfg.d_model // cfg.n_head
     require(cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head")
     require(head_dim % 2 == 0, "d_model / n_head must be even (rotary pairs)")
@@ -121,8 +121,8 @@ def check_config(cfg):
 # so generation (time running 1 -> 0) reveals positions by T DESCENDING. Nearby curves
 # overlap: about d positions are revealed "at once", and a position can overtake only the
 # earlier positions within its reach r. Each policy has one home, its entry in ORDER_POLICIES,
-# which must say both the orders training draws and the sampler window they taught (OrderPolicy
-# has no defaults); a name not there is refused, never run as another policy.
+# which must say the orders training draws and everything the sampler needs to follow them
+# (OrderPolicy has no defaults); a name not there is refused, never run as another policy.
 def policy_name(cfg):
     """The policy as tables print it: "staggered d=4, s=8", "block d=4", "ar", "uniform"."""
     if cfg.order == "staggered":
@@ -134,15 +134,17 @@ def policy_name(cfg):
 
 @dataclass
 class OrderPolicy:
-    """An order policy pi, both halves. Training draws its orders; the sampler never does: its
-    window opens at the leftmost masked position f, and pi reaches it only through max_window
-    and block_size. (A policy not roughly left to right, say right to left, would need another
-    window rule, opened where its orders start; these fields would not describe it.)"""
+    """An order policy pi, whole: the orders training draws, and how the sampler follows them.
+    The sampler's window opens at the masked position of least sampler key k_f and spans the
+    keys [k_f, k_f + w): the key says where the policy's orders start and which way they run
+    (left to right: the position; right to left: L - 1 - position). Every field must be given:
+    an entry that leaves one out is refused, never run as left to right."""
 
     reveal_times: Callable  # (B, generator) -> (B, L) float64; the order is time DESCENDING
-    max_window: int  # the largest window w training met: no revealed token lies further from f
+    sampler_key: torch.Tensor  # (L,) each of 0..L-1 once: the window opens at the least masked
+    max_window: int  # the largest window w training met: no revealed key lies further from k_f
     set_size: int  # d: generation's window by default (infilling takes max_window)
-    block_size: int | None  # block edges: a window stays inside f's block; None: no edges
+    block_size: int | None  # block edges, in key order: a window stays in k_f's block; None: none
 
 
 class StaggeredSchedule:
@@ -210,7 +212,8 @@ def schedule_policy(cfg, d, s):
     """A staggered schedule's policy: its first hitting times; windows up to its reach ceil(r).
     NOTE: for d = s the reach d (L - 1) / (L - d) is a little more than s, and so is the window."""
     sched = StaggeredSchedule(cfg.seq_len, d, s)
-    return OrderPolicy(sched.first_hitting_times, sched.ceil_reach, d, None)
+    left_to_right = torch.arange(cfg.seq_len)  # the sampler key: the position
+    return OrderPolicy(sched.first_hitting_times, left_to_right, sched.ceil_reach, d, None)
 
 
 def block_policy(cfg):
@@ -224,7 +227,8 @@ def block_policy(cfg):
         U = torch.rand(batch_size, cfg.seq_len, dtype=torch.float64, generator=generator)
         return ahead + U  # (B, L)
 
-    return OrderPolicy(reveal_times, d, d, d)
+    left_to_right = torch.arange(cfg.seq_len)  # the sampler key: the position
+    return OrderPolicy(reveal_times, left_to_right, d, d, d)
 
 
 ORDER_POLICIES = {  # --order: cfg -> its OrderPolicy. A new policy is one entry here.
@@ -237,8 +241,17 @@ ORDER_POLICIES = {  # --order: cfg -> its OrderPolicy. A new policy is one entry
 
 def order_policy(cfg):
     """cfg.order's OrderPolicy, built for cfg. OrderPolicy has no defaults: an entry that does
-    not say both halves (training order, sampler window) fails here, at Config time."""
+    not say every field (training order, sampler key and windows) fails here, at Config time."""
     return ORDER_POLICIES[cfg.order](cfg)
+
+
+def check_policy(cfg):
+    """A policy's entry, checked once at Config time: every field given (a TypeError naming the
+    missing one), and a sampler key that orders the L positions, each of 0..L-1 once."""
+    key = order_policy(cfg).sampler_key
+    L = cfg.seq_len
+    ranks = torch.is_tensor(key) and sorted(key.tolist()) == list(range(L))
+    require(ranks, f"order policy {cfg.order!r}: sampler_key must hold each of 0..{L - 1} once")
 
 
 def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=None):
@@ -643,18 +656,34 @@ class Generation:
         return float((self.new_tokens / calls).mean())
 
 
-def window_queries(masked, window, block_size):
-    """Active queries, (B, positions) bool as `masked`: the window w is the span [f, f + w) of
-    positions from the leftmost masked one f, and a call predicts the masked ones in it; with
-    block edges (block_size, else None) only those inside f's block too."""
-    pos = torch.arange(masked.shape[1], device=masked.device)[None, :]
-    first_masked = masked.to(torch.uint8)
-    f = torch.argmax(first_masked, dim=1, keepdim=True)  # (B, 1)
-    active = masked & (pos >= f) & (pos < f + window)
+def window_queries(masked, key, window, block_size):
+    """Active queries, (B, C) bool as `masked`: the window w spans the keys [k_f, k_f + w) from
+    the least key k_f of a masked position, and a call predicts the masked positions in it; with
+    block edges (block_size, else None) only those inside k_f's block of keys [j d, (j + 1) d)
+    too. key (B, C): the policy's sampler key (left to right, the position: the window is then
+    [f, f + w) from the leftmost masked position f), or the ancestral sampler's ranks."""
+    past_every_key = torch.iinfo(torch.long).max // 2  # an unmasked position's: never the least
+    k = torch.where(masked, key, past_every_key)
+    k_f = k.min(1, keepdim=True).values  # (B, 1); every masked key is >= k_f
+    active = masked & (key < k_f + window)
     if block_size is None:
         return active
-    block_end = (f // block_size + 1) * block_size
-    return active & (pos < block_end)
+    block_end = (k_f // block_size + 1) * block_size
+    return active & (key < block_end)
+
+
+def ancestral_key(cfg, x, generator=None):
+    """The ancestral sampler's key (B, C): each position's step in an order sigma drawn from pi
+    (sample_order), the canvas x's given tokens first, positions past its C last. With it and
+    w = 1 a call reveals sigma's next position, drawn from p(x_i | x_{sigma_<n}): sigma and
+    these draws are the bound's model, p(x) = sum_sigma pi(sigma) prod_n p(x[sigma_n] | ...)."""
+    B, C = x.shape
+    L = cfg.seq_len
+    given = F.pad(x != cfg.mask_id, (0, L - C))  # (B, L)
+    beyond = torch.arange(L, device=x.device) >= C  # (L,)
+    order = sample_order(cfg, B, generator, x.device, given, beyond.expand(B, L))
+    rank = torch.argsort(order, dim=1)  # (B, L); those past C are the last L - C
+    return rank[:, :C]
 
 
 def draw_candidates(logits, temperature, top_p, u=None):
@@ -871,6 +900,7 @@ def generate(
     use_cache=True,
     stop_at_eos=False,
     compile=False,
+    ancestral=False,
 ):
     """The set sampler, batched (each row has its own window and progress): `prompt` (P,) or
     (B, C) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
@@ -885,8 +915,9 @@ def generate(
     window it met in training and, for block, its block edges."""
     cfg = model.cfg
     device = next(model.parameters()).device
+    infilling = infill is not None
     w = sampler_window(
-        cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
+        cfg, window, threshold, temperature, top_p, repetition_penalty, infilling, ancestral
     )
     require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, C)
@@ -898,6 +929,8 @@ def generate(
         u = torch.rand(C, B, m, generator=generator, dtype=torch.float64)
         uniforms = upload(u, "cpu" if device.type == "mps" else device)
     run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
+    if ancestral:  # the key: each row's ranks in an order drawn from pi (w = 1: one a call)
+        run.key = ancestral_key(cfg, x, generator)
     run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
     run.stop_at_eos = stop_at_eos
     # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
@@ -929,7 +962,7 @@ def sampler_call(model, run, n):
     x = run.x
     # 1. the window of each unfinished row
     masked = (x == cfg.mask_id) & ~run.done[:, None]
-    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
+    queries = gather_sets(window_queries(masked, run.key, run.w, run.block_size), n=run.m)
     # 2. one network call (cached: it also writes the last call's set into the cache)
     if run.cache is not None:
         new = gather_sets(run.pending, n=n)
@@ -968,7 +1001,10 @@ class SamplerRun:
         self.x = x  # (B, C) the canvas: MASK where not revealed yet
         self.w = w  # the window
         self.m = m  # queries a call
-        self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
+        policy = order_policy(cfg)
+        self.block_size = policy.block_size  # a window stays inside k_f's block of keys
+        key = upload(policy.sampler_key[: x.shape[1]], x.device)
+        self.key = key.repeat(len(x), 1)  # (B, C) the window opens at the least masked key
         self.threshold = threshold  # tau
         self.temperature = temperature
         self.top_p = top_p
@@ -1024,7 +1060,14 @@ def stop_at_first_eos(cfg, x, reveal_call):
 
 # -- generate's argument checks (a first reading can skip them) -----------------------------
 def sampler_window(
-    cfg, window, threshold, temperature, top_p, repetition_penalty=1.0, infill=False
+    cfg,
+    window,
+    threshold,
+    temperature,
+    top_p,
+    repetition_penalty=1.0,
+    infill=False,
+    ancestral=False,
 ):
     """Check `generate`'s sampling arguments -> the window w. Messages name each argument as
     sample.py's flag of the same name does."""
@@ -1035,6 +1078,10 @@ def sampler_window(
     require(0 < repetition_penalty < math.inf, penalty)
     is_number = not math.isnan(threshold)
     require(is_number, "--threshold must be a number (> 1: one token a call)")
+    if ancestral:
+        one = f"--ancestral reveals one position a call: give --window 1 or none, got {window}"
+        require(window in (None, 1), one)
+        return 1
     if window is None:
         return default_window(cfg, infill)
     w_max = max_window(cfg)

@@ -6,6 +6,7 @@ Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametr
 
 import contextlib
 import copy
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -233,33 +234,83 @@ def test_config_checks_only_what_the_policy_uses():
     assert uniform.order == "uniform"
 
 
-def right_to_left(batch_size, generator=None):
-    """A made-up policy's reveal times for L = 24: the later a position, the earlier revealed."""
-    return torch.arange(24.0).expand(batch_size, -1)
+def right_to_left(cfg):
+    """A made-up policy's fields: position L - 1 first, then leftwards (0 stays given first)."""
+    L = cfg.seq_len
+    times = torch.arange(L, dtype=torch.float64)  # the later a position, the earlier revealed
+
+    def reveal_times(batch_size, generator=None):
+        return times.expand(batch_size, L)
+
+    key = L - 1 - torch.arange(L)  # the sampler's window opens at the rightmost masked position
+    windows = dict(max_window=1, set_size=1, block_size=None)
+    return dict(reveal_times=reveal_times, sampler_key=key) | windows
+
+
+def add_policy(monkeypatch, omit=None, **change):
+    """The made-up policy "r2l", its one entry in ORDER_POLICIES, a field left out or changed
+    -> a tiny model of it."""
+
+    def r2l(cfg):
+        fields = right_to_left(cfg) | change
+        fields.pop(omit, None)
+        return setdiff.OrderPolicy(**fields)
+
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", r2l)
+    return tiny_model(order="r2l")
+
+
+OMITTED = {f"without-{f.name}": f.name for f in dataclasses.fields(setdiff.OrderPolicy)}
+
+
+@table("field", OMITTED)
+def test_a_policy_that_leaves_out_a_field_is_refused(monkeypatch, field):
+    with pytest.raises(TypeError, match=f"missing 1 required positional argument: '{field}'"):
+        add_policy(monkeypatch, omit=field)
 
 
 @table(
-    "says",
-    {  # a made-up policy "r2l" that says one half only
-        "only-its-order": dict(reveal_times=right_to_left),
-        "only-its-window": dict(max_window=1, set_size=1, block_size=None),
+    "key",
+    {
+        "a-list": list(range(24)),
+        "too-short": torch.arange(23),
+        "a-repeated-position": torch.arange(24) // 2,
+        "from-1": torch.arange(1, 25),
     },
 )
-def test_a_policy_that_does_not_say_both_halves_is_refused(monkeypatch, says):
-    def r2l(cfg):
-        return setdiff.OrderPolicy(**says)
-
-    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", r2l)
-    with pytest.raises(TypeError, match="missing"):
-        tiny_cfg(order="r2l")
+def test_a_policy_whose_sampler_key_is_not_an_order_is_refused(monkeypatch, key):
+    with pytest.raises(ValueError, match="'r2l': sampler_key must hold each of 0..23 once"):
+        add_policy(monkeypatch, sampler_key=key)
 
 
 def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
-    r2l = setdiff.OrderPolicy(right_to_left, 1, 1, None)
-    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", lambda cfg: r2l)
-    order = sample_order(tiny_cfg(order="r2l"), 1, gen(0))
-    want = [0, *range(23, 0, -1)]  # position 0 given, then right to left
-    assert order[0].tolist() == want
+    """The loss of one entry's policy is its chain rule right to left, slot 0 (predicted from
+    nothing) included, by one-query forwards."""
+    model = add_policy(monkeypatch)
+    x = random_rows(model.cfg, 2, seed=3)
+    r2l = [0, *range(23, 0, -1)]
+    chains = [chain_nll(model, row, [], r2l) / 24 for row in x]
+    loss = setdiff.set_factorized_loss(model, x, generator=gen(0))
+    assert math.isclose(loss.item(), sum(chains) / 2, rel_tol=1e-5)
+
+
+def test_a_new_policy_is_scored_in_its_own_order(monkeypatch):
+    model = add_policy(monkeypatch)
+    x = random_rows(model.cfg, 2, seed=3)
+    chains = [chain_nll(model, row, [0], list(range(23, 0, -1))) for row in x]
+    bound = setdiff.elbo(model, x, generator=gen(0))
+    assert math.isclose(bound.nll, sum(chains), rel_tol=1e-5)
+
+
+@table("ancestral", {"default-sampler": False, "ancestral-sampler": True})
+@table("start", {"unconditional": dict(batch_size=2), "prompt": dict(prompt=[[65, 66]] * 2)})
+def test_a_new_policy_samples_in_its_own_order(monkeypatch, ancestral, start):
+    """Each call reveals the next position leftwards, from the row's end to the context."""
+    model = add_policy(monkeypatch)
+    out = generate(model, **start, ancestral=ancestral, generator=gen(1))
+    P = 24 - out.calls  # BOS (and the prompt): given
+    right_to_left = torch.arange(out.calls - 1, -1, -1)
+    assert torch.equal(out.reveal_call[:, P:], right_to_left.expand(2, -1))
 
 
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
@@ -976,7 +1027,8 @@ def replay_states(model, inputs, atol):
         # before call n: revealed = calls < n; call n-1's set (or the context) not cached
         canvas = torch.where(calls < n, out.tokens, cfg.mask_id)
         masked = canvas == cfg.mask_id
-        queries = setdiff.gather_sets(setdiff.window_queries(masked, 3, None))
+        active = setdiff.window_queries(masked, torch.arange(24), 3, None)
+        queries = setdiff.gather_sets(active)
         new = setdiff.gather_sets(calls == n - 1)
         cached = setdiff.predict(model, canvas, new, queries, cache)
         revealed = setdiff.gather_sets(calls < n, key=calls)  # in decode order
@@ -1114,7 +1166,7 @@ def test_each_draw_is_the_training_forward_given_the_final_order(
     block = set_size if order == "block" else None
     for call, logits in enumerate(seen):
         masked = out.reveal_call >= call  # masked before this call
-        q = setdiff.window_queries(masked, window, block)
+        q = setdiff.window_queries(masked, torch.arange(24), window, block)
         for b in range(2):
             pos = int((out.reveal_call[b] == call).nonzero())
             slot = int(q[b, :pos].sum())  # queries are in position order
@@ -1148,6 +1200,42 @@ def test_block_sampler_with_threshold_0_takes_a_call_per_block():
     model = tiny_model(order="block", set_size=4)
     out = generate(model, window=4, threshold=0.0, temperature=0.0)
     assert out.calls == 24 // 4
+
+
+def window_by_hand(masked, key, window, block_size):
+    """The window rule a position at a time: masked, its key in [k_f, k_f + w) from the least
+    key k_f of a masked position, and (with blocks) in k_f's block of keys."""
+    rows = []
+    for row_masked, row_key in zip(masked.tolist(), key.tolist()):
+        keys = [k for m, k in zip(row_masked, row_key) if m]
+        k_f = min(keys, default=0)
+        row = []
+        for m, k in zip(row_masked, row_key):
+            inside = m and k_f <= k < k_f + window
+            if block_size is not None:
+                inside = inside and k // block_size == k_f // block_size
+            row.append(inside)
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+WINDOW_KEYS = {  # a key for each of 64 rows of 12 positions
+    "left-to-right": torch.arange(12).expand(64, -1),
+    "right-to-left": torch.arange(11, -1, -1).expand(64, -1),
+    "ranks-a-row": torch.argsort(torch.rand(64, 12, generator=gen(2)), 1),
+}
+
+
+@table("key", WINDOW_KEYS)
+@table(
+    "window,block_size",
+    {"w1": (1, None), "w3": (3, None), "w3-blocks-4": (3, 4), "w6-blocks-4": (6, 4)},
+)
+def test_a_window_spans_w_keys_from_the_least_masked_one(key, window, block_size):
+    masked = torch.rand(64, 12, generator=gen(1)) < 0.5
+    masked[0] = False  # a finished row: no query
+    got = setdiff.window_queries(masked, key, window, block_size)
+    assert torch.equal(got, window_by_hand(masked, key, window, block_size))
 
 
 def holey_rows(model, rows=slice(None)):
