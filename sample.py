@@ -83,6 +83,8 @@ def build_parser() -> Parser:
     seeds = at_least(0, 2**64)  # torch.Generator's seeds
     p.add_argument("--seed", type=seeds, default=0, help="of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
+    ancestral = "the bound's model: one position a call, in an order drawn from the policy"
+    p.add_argument("--ancestral", action="store_true", help=ancestral)
     compiled = "torch.compile every call after the first (a CUDA graph on a GPU): same tokens"
     p.add_argument("--compile", action="store_true", help=compiled)
     p.add_argument("--show-order", action="store_true", help="mark what call N revealed: [text]N")
@@ -162,7 +164,7 @@ def sample(args, model, tok: Tokenizer):
     """Draw --num-samples samples in batches of --batch-size rows (bounded memory, whatever
     the number), each printed as soon as its batch is done, with its speed."""
     flags = ["window", "threshold", "temperature", "top_p", "repetition_penalty"]
-    flags += ["max_new_tokens", "stop_at_eos", "compile"]
+    flags += ["max_new_tokens", "stop_at_eos", "compile", "ancestral"]
     options = {name: getattr(args, name) for name in flags}  # generate() checks them
     # generate() puts BOS first where the model has one (without BOS, as GPT-2/OWT,
     # unconditional samples start from EOS)

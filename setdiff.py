@@ -626,8 +626,9 @@ def order_nll(model, x, order, scored):
 
 
 # ---- Sampler: window, candidates, commit rule -----------------------------------------------
-# One step of the set sampler: (1) the window: the masked positions in [f, f + w) from the
-# leftmost masked position f; (2) ONE network call predicting them; (3) a candidate token and
+# One step of the set sampler: (1) the window: the masked positions whose sampler keys lie in
+# [k_f, k_f + w) from the least masked key k_f (left to right: the positions [f, f + w) from the
+# leftmost masked position f); (2) ONE network call predicting them; (3) a candidate token and
 # its confidence per query; (4) the commit rule: reveal the most confident candidate plus
 # every candidate with confidence >= tau. The revealed tokens form this call's set.
 # Shapes: B rows of C positions (the canvas, and the KV cache's slots), n new tokens, m queries.
@@ -910,9 +911,12 @@ def generate(
     torch.compile backend's name) runs every call after the first as one compiled function (a
     CUDA graph on a GPU), with the same tokens as without. -> a Generation.
 
-    The sampler never draws from the order policy: its window opens at the leftmost masked
-    position (as the authors' sampler), and the policy reaches it only through the largest
-    window it met in training and, for block, its block edges."""
+    By default the sampler draws no order from pi: its window opens at the masked position of
+    least sampler key (left to right: the leftmost, as the authors' sampler) and a call reveals
+    its most confident queries. That is another distribution than the model the likelihood
+    bound is about (they agree for ar only). `ancestral=True` samples that model: an order sigma
+    drawn from pi (given positions first), one position a call (w = 1), each token drawn from
+    p(x[sigma_n] | x[sigma_<n]), through the same calls, cache and candidates."""
     cfg = model.cfg
     device = next(model.parameters()).device
     infilling = infill is not None

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -1037,12 +1038,13 @@ def replay_states(model, inputs, atol):
         assert torch.allclose(cached[valid], cache_free[valid], atol=atol, rtol=0)
 
 
-POLICIES = {  # order, window, threshold
-    "staggered-w3": ("staggered", 3, math.inf),
-    "staggered-w6-tau0.05": ("staggered", 6, 0.05),
-    "block-w3-tau0.1": ("block", 3, 0.1),
-    "uniform-w24-tau0.2": ("uniform", 24, 0.2),
-    "ar": ("ar", 1, math.inf),
+POLICIES = {  # order, window, threshold, ancestral
+    "staggered-w3": ("staggered", 3, math.inf, False),
+    "staggered-w6-tau0.05": ("staggered", 6, 0.05, False),
+    "block-w3-tau0.1": ("block", 3, 0.1, False),
+    "uniform-w24-tau0.2": ("uniform", 24, 0.2, False),
+    "ar": ("ar", 1, math.inf, False),
+    "staggered-ancestral": ("staggered", 1, math.inf, True),
 }
 
 
@@ -1068,7 +1070,7 @@ def generated(policy, decoding, start, use_cache=True, device="cpu"):
     """Sampled decoding runs in float64 (a float32 rounding difference between the cached
     and cache-free paths may, rarely, flip a draw), greedy in float32. -> (out, given, context),
     all on the CPU"""
-    order, window, threshold = POLICIES[policy]
+    order, window, threshold, ancestral = POLICIES[policy]
     temperature = TEMPERATURES[decoding]
     dtype = torch.float64 if temperature else torch.float32
     model = tiny_model(dtype=dtype, order=order).to(device)
@@ -1083,6 +1085,7 @@ def generated(policy, decoding, start, use_cache=True, device="cpu"):
         top_p=0.9,
         generator=gen(8),
         use_cache=use_cache,
+        ancestral=ancestral,
     )
     out.tokens = out.tokens.cpu()
     out.reveal_call = out.reveal_call.cpu()
@@ -1172,6 +1175,76 @@ def test_each_draw_is_the_training_forward_given_the_final_order(
             slot = int(q[b, :pos].sum())  # queries are in position order
             got = torch.log_softmax(logits[b, slot], -1)
             assert torch.allclose(got, ref[b, pos], atol=1e-9)
+
+
+# The bound's model enumerated: rows of L = 4 whose positions 1-3 take the tokens 0-3 (EOS 2,
+# BOS 3; MASK 4 never), 64 rows in all, each's probability summed over pi's orders.
+ORACLE = dict(seq_len=4, vocab_size=5, mask_id=4, bos_id=3, eos_id=2, pad_id=None)
+ORACLE_POLICIES = {"ar": ("ar", 1), "uniform": ("uniform", 4)}  # order, d (default window)
+ORACLE_POLICIES |= {"block-d2": ("block", 2), "staggered-d2-s4": ("staggered", 2)}
+EVERY_ROW = torch.tensor([[3, *xs] for xs in itertools.product(range(4), repeat=3)])  # (64, 4)
+
+
+def order_probabilities(cfg):
+    """pi's orders of positions 1-3 (0 is given) -> probability. Block d = 2: 1, then 2 and 3
+    either way. A schedule: P(T_a > T_b > T_c) = int (1 - F_a) F_c dF_b, F_i = m_i the CDF of
+    T_i, by the midpoint rule (ar: 1 for 1, 2, 3; uniform, d = s = L: 1/6 each)."""
+    if cfg.order == "block":
+        return {(1, 2, 3): 0.5, (1, 3, 2): 0.5}
+    sizes = {"ar": (1, 1), "uniform": (4, 4)}
+    d, s = sizes.get(cfg.order, (cfg.set_size, cfg.max_set_size))
+    t = torch.linspace(0, 1, 100001, dtype=torch.float64)
+    cdf = masking_curves(setdiff.StaggeredSchedule(4, d, s), t)  # (T, 4)
+    mid = (cdf[1:] + cdf[:-1]) / 2
+    rise = cdf.diff(dim=0)
+    probs = {}
+    for a, b, c in itertools.permutations((1, 2, 3)):
+        probs[a, b, c] = float(((1 - mid[:, a]) * mid[:, c] * rise[:, b]).sum())
+    return probs
+
+
+@functools.cache
+@torch.no_grad()
+def bound_model(policy):
+    """A tiny model of `policy` -> (model, p (64,)): every row's probability under the bound's
+    model, sum over orders sigma of pi(sigma) prod_n p(x[sigma_n] | x[sigma_<n])."""
+    order, d = ORACLE_POLICIES[policy]
+    model = tiny_model(order=order, set_size=d, **ORACLE)
+    model.head.weight.data *= 0.3  # flatter: no row is out of reach of 8,000 draws
+    p = torch.zeros(64, dtype=torch.float64)
+    for sigma, prob in order_probabilities(model.cfg).items():
+        order = torch.tensor([0, *sigma]).expand(64, -1)
+        nll = position_nll(model, EVERY_ROW, order)[:, 1:].sum(1)
+        p += prob * torch.exp(-nll)
+    assert math.isclose(float(p.sum()), 1, abs_tol=1e-6)
+    return model, p
+
+
+def distance_to_the_bounds_model(policy, ancestral, N=8000):
+    """The total variation between N samples' frequencies and p, and the noise it stays under
+    with probability 1 - 1e-6: E TV <= sum sqrt(p (1 - p) / N) / 2, and one sample moves TV by
+    1/N at most, so (McDiarmid) TV passes that by eps with probability exp(-2 N eps^2) at most."""
+    model, p = bound_model(policy)
+    out = generate(model, batch_size=N, ancestral=ancestral, generator=gen(0))
+    row = out.tokens[:, 1:] @ torch.tensor([16, 4, 1])  # EVERY_ROW's index
+    freq = torch.bincount(row, minlength=64).double() / N
+    tv = (freq - p).abs().sum() / 2
+    noise = (p * (1 - p) / N).sqrt().sum() / 2 + math.sqrt(math.log(1e6) / (2 * N))
+    return tv, noise
+
+
+@table("policy", {name: name for name in ORACLE_POLICIES})
+def test_ancestral_samples_follow_the_bounds_model(policy):
+    tv, noise = distance_to_the_bounds_model(policy, ancestral=True)
+    assert tv < noise
+
+
+@table("policy,differs", {name: (name, name != "ar") for name in ORACLE_POLICIES})
+def test_the_default_sampler_draws_another_distribution_except_for_ar(policy, differs):
+    """Its window opens at the leftmost masked position, and a call reveals its most confident
+    query (uniform: of all masked ones), not the next of an order drawn from pi."""
+    tv, noise = distance_to_the_bounds_model(policy, ancestral=False)
+    assert (tv > noise) == differs
 
 
 def block_reveals():
@@ -1397,6 +1470,7 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
         "rows-for-batch": (dict(prompt=[[1, 1]] * 3, batch_size=2), "--batch-size"),
         "bos-in-some-rows": (dict(prompt=[[257, 5], [5, 5]], batch_size=2), "some rows start"),
         "compile-cache-free": (dict(compile=True, use_cache=False), "use_cache=True"),
+        "ancestral-window-3": (dict(ancestral=True, window=3), "--ancestral reveals one"),
     },
 )
 def test_generate_rejects_a_bad_argument(kw, match):
@@ -4020,6 +4094,12 @@ def test_batches_are_drawn_in_turn_from_one_generator_of_the_seed(ckpts, capsys)
         out_b = generate(letters_model(), batch_size=B, **sampler)
         by_hand += [BYTES.decode(row) for row in out_b.tokens]
     assert texts_of(out) == by_hand
+
+
+def test_the_ancestral_flag_draws_generates_ancestral_samples(ckpts, capsys):
+    argv = ("--ckpt", ckpts / "st.pt", "--num-samples", 2, "--seed", 4, "--ancestral")
+    by_hand = generate(letters_model(), batch_size=2, ancestral=True, generator=gen(4))
+    assert texts_of(sample_ok(capsys, *argv)) == [BYTES.decode(r) for r in by_hand.tokens]
 
 
 def test_many_samples_start_with_a_small_batch(ckpts, capsys, monkeypatch):
