@@ -72,7 +72,8 @@ def build_parser() -> Parser:
     p.add_argument("--batch-size", type=at_least(1), help="rows a call (min(N, 16); --eval: 32)")
     p.add_argument("--max-new-tokens", type=at_least(1), help="tokens to write (all: L - P)")
     p.add_argument("--span-len", type=at_least(1), default=8, help="positions of a bare ___ (8)")
-    p.add_argument("--window", type=int, help="span from the first MASK (d; --infill: largest)")
+    window = "span from the first MASK (the policy's d, uniform L; --infill: the largest)"
+    p.add_argument("--window", type=int, help=window)
     tau = "confidence tau: a call reveals its top query and all >= tau (inf: the top only)"
     p.add_argument("--threshold", type=float, default=math.inf, help=tau)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (1)")

@@ -277,9 +277,10 @@ def max_window(cfg):
 
 
 def default_window(cfg, infill=False):
-    """The sampler's window w when none is given: the set size d for generation (the paper's w
-    = d), the largest for infilling (holes with context on both sides are easy to fill together).
-    d is the largest for ar (1), uniform (L) and block (d) alike."""
+    """The sampler's window w when none is given: the policy's set size d for generation (the
+    paper's w = d), the largest for infilling (holes with context on both sides are easy to fill
+    together). d is the largest for ar (1), uniform (L: cfg.set_size does not change it) and
+    block (d) alike."""
     policy = order_policy(cfg)
     return policy.max_window if infill else policy.set_size
 
@@ -520,8 +521,13 @@ def set_factorized_loss(model, x, order=None, generator=None):
     # The last step holds because the network never sees t: the integrand depends on the T's
     # only through the order sigma they induce (T descending; given positions are never masked
     # and come first). "Revealed at t" means the revealed tokens in their reveal order, as the
-    # set-causal clean stream sees them. The loss divides a row's sum by its token count and
-    # adds position 0's slot (predicted from nothing); `elbo` reports the sum, without it.
+    # set-causal clean stream sees them (a revealed token's keys see only those before it): the
+    # loss at time t depends on the order in which they were revealed, not only on which they
+    # are, so the integral is an expectation over orders, not over revealed sets.
+    # NOTE: the loss divides a row's sum by its token count, position 0's slot (predicted from
+    # nothing) included, then averages rows; `elbo` leaves position 0 out (given when sampling)
+    # and pools tokens over rows. They are different numbers: with BOS, whose slot soon costs
+    # nothing, the loss reads a little lower than the bound's nats/token.
     cfg = model.cfg
     if order is None:
         pad = padding(cfg, x)  # (B, L)
@@ -544,7 +550,7 @@ class Elbo:
     tokens_scored: int  # not given, not padding (a run's log says "tokens" for training tokens)
     num_orders: int  # K
     num_seqs: int  # rows
-    se: float  # standard error of the per-token NLL across rows
+    se: float  # standard error of the per-token NLL across rows: which rows, far more than orders
     nll_per_token: float  # nll / tokens
     ppl: float  # exp(nll / tokens): an upper bound on the perplexity
 
@@ -570,7 +576,14 @@ class Elbo:
 def elbo(model, x, num_orders=1, batch_size=32, generator=None, given=None, progress=False):
     """The bound exp(sum NLL / sum tokens) over rows x (N, L), K sampled orders per row, dropout
     off. `given` (N, L) bool marks context (an infill or prefix bound): it comes first in every
-    order and is not scored; position 0 and padding are never scored either."""
+    order and is not scored; position 0 and padding are never scored either.
+
+    "ppl <=" bounds the perplexity of the bound's model: one position revealed at a time in an
+    order sigma drawn from pi, p(x) = sum_sigma pi(sigma) prod_n p(x[sigma_n] | x[sigma_<n]),
+    which generate(ancestral=True) samples. generate's default samples another distribution
+    (its window opens at the first masked position, the most confident queries first); the two
+    agree for ar only. The standard error ("+-") takes rows as units: it measures which rows
+    were drawn far more than which orders (K orders a row shrink only the orders' part)."""
     x = x.long().cpu()
     N = len(x)
     if given is None:
@@ -856,18 +869,19 @@ def predict(model, x, new, queries, cache=None):
     """ONE network call: [n new clean tokens] + [m MASK queries] -> the queries' logits (B, m, V).
 
     `new` and `queries` are (idx, valid) pairs (B, n) and (B, m) of positions of x (B, C). A
-    new token sees the cache, the new tokens before it and itself; a query sees the cache, all
-    new tokens and itself only: the training mask restricted to the rows that matter. Example,
-    C = 25 with a cache, 2 tokens revealed last call (positions 5, 9), 3 queries (6, 7, 8):
+    new token sees the cache, the new tokens before it in the call (the order of `new`: position
+    order for a set) and itself; a query sees the cache, all new tokens and itself only: the
+    training mask restricted to the rows that matter. Example, C = 25 with a cache, 2 tokens
+    revealed last call (positions 5, 9), 3 queries (6, 7, 8):
 
         keys     25 cache slots | 2 new tokens | 3 queries     (the queries of this call are
         rank     0 0 ... 0      | 1 2          | 3 3 3          the last n + m = 5 columns)
         is_mask  F F ... F      | F F          | T T T
         slot     0 1 ... 24     | 25 26        | 27 28 29
 
-    The cached step feeds the tokens revealed last call (in position order); the cache-free
-    step, with no cache, feeds every revealed token in decode order; cached = cache-free is
-    the cache's exactness."""
+    The cached step feeds the tokens revealed last call in position order; the cache-free step,
+    with no cache, feeds every revealed token in decode order, (call, position): a set enters in
+    position order in both, which is what makes cached = cache-free (the cache's exactness)."""
     new_idx, new_valid = new
     q_idx, q_valid = queries
     filled = new_valid[:, :0] if cache is None else cache.filled  # (B, C): C cache slots

@@ -314,6 +314,23 @@ def test_a_new_policy_samples_in_its_own_order(monkeypatch, ancestral, start):
     assert torch.equal(out.reveal_call[:, P:], right_to_left.expand(2, -1))
 
 
+def readme_code(heading):
+    """The first ```python block of README.md after `heading`."""
+    after = (ROOT / "README.md").read_text().split(heading, 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_new_policy_runs_as_written_and_says_what_it_prints(monkeypatch, capsys):
+    """The README's right-to-left entry, run as written, prints the reveal order its comment
+    shows (the entry it adds is undone after the test)."""
+    monkeypatch.setattr(setdiff, "ORDER_POLICIES", dict(setdiff.ORDER_POLICIES))
+    code = readme_code("### Adding an order policy")
+    exec(code, {})
+    said = re.search(r"^print\(.*\)  # (\[[-\d, ]*\])", code, re.M)[1]
+    assert capsys.readouterr().out == said + "\n"
+    assert said == str([setdiff.GIVEN, *range(6, -1, -1)])
+
+
 # the paper's L = 128 values, and the authors' StaggeredNoise(L, d, 2d) of the OWT models
 PAPER_SCHEDULES = {
     "L128-d4": (128, 4, 0.059259, 0.358090),
