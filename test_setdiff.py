@@ -261,12 +261,14 @@ def add_policy(monkeypatch, omit=None, **change):
     return tiny_model(order="r2l")
 
 
-OMITTED = {f"without-{f.name}": f.name for f in dataclasses.fields(setdiff.OrderPolicy)}
+FIELDS = [f.name for f in dataclasses.fields(setdiff.OrderPolicy)]
+OMITTED = {f"without-{name}": name for name in FIELDS}
 
 
 @table("field", OMITTED)
 def test_a_policy_that_leaves_out_a_field_is_refused(monkeypatch, field):
-    with pytest.raises(TypeError, match=f"missing 1 required positional argument: '{field}'"):
+    missing = f"missing 1 required positional argument: '{field}'"
+    with pytest.raises(TypeError, match=missing):
         add_policy(monkeypatch, omit=field)
 
 
@@ -326,7 +328,8 @@ def test_the_readmes_new_policy_runs_as_written_and_says_what_it_prints(monkeypa
     monkeypatch.setattr(setdiff, "ORDER_POLICIES", dict(setdiff.ORDER_POLICIES))
     code = readme_code("### Adding an order policy")
     exec(code, {})
-    said = re.search(r"^print\(.*\)  # (\[[-\d, ]*\])", code, re.M)[1]
+    comment = re.search(r"^print\(.*\)  # (\[[-\d, ]*\])", code, re.M)
+    said = comment[1]
     assert capsys.readouterr().out == said + "\n"
     assert said == str([setdiff.GIVEN, *range(6, -1, -1)])
 
@@ -1199,7 +1202,8 @@ def test_each_draw_is_the_training_forward_given_the_final_order(
 ORACLE = dict(seq_len=4, vocab_size=5, mask_id=4, bos_id=3, eos_id=2, pad_id=None)
 ORACLE_POLICIES = {"ar": ("ar", 1), "uniform": ("uniform", 4)}  # order, d (default window)
 ORACLE_POLICIES |= {"block-d2": ("block", 2), "staggered-d2-s4": ("staggered", 2)}
-EVERY_ROW = torch.tensor([[3, *xs] for xs in itertools.product(range(4), repeat=3)])  # (64, 4)
+FREE_TOKENS = itertools.product(range(4), repeat=3)  # positions 1-3
+EVERY_ROW = torch.tensor([[3, *xs] for xs in FREE_TOKENS])  # (64, 4)
 
 
 def order_probabilities(cfg):
@@ -1216,7 +1220,8 @@ def order_probabilities(cfg):
     rise = cdf.diff(dim=0)
     probs = {}
     for a, b, c in itertools.permutations((1, 2, 3)):
-        probs[a, b, c] = float(((1 - mid[:, a]) * mid[:, c] * rise[:, b]).sum())
+        a_after_b_after_c = (1 - mid[:, a]) * mid[:, c] * rise[:, b]
+        probs[a, b, c] = float(a_after_b_after_c.sum())
     return probs
 
 
@@ -1244,10 +1249,12 @@ def distance_to_the_bounds_model(policy, ancestral, N=8000):
     model, p = bound_model(policy)
     out = generate(model, batch_size=N, ancestral=ancestral, generator=gen(0))
     row = out.tokens[:, 1:] @ torch.tensor([16, 4, 1])  # EVERY_ROW's index
-    freq = torch.bincount(row, minlength=64).double() / N
+    count = torch.bincount(row, minlength=64)
+    freq = count.double() / N
     tv = (freq - p).abs().sum() / 2
-    noise = (p * (1 - p) / N).sqrt().sum() / 2 + math.sqrt(math.log(1e6) / (2 * N))
-    return tv, noise
+    mean_bound = (p * (1 - p) / N).sqrt().sum() / 2
+    eps = math.sqrt(math.log(1e6) / (2 * N))
+    return tv, mean_bound + eps
 
 
 @table("policy", {name: name for name in ORACLE_POLICIES})
@@ -4116,7 +4123,8 @@ def test_batches_are_drawn_in_turn_from_one_generator_of_the_seed(ckpts, capsys)
 def test_the_ancestral_flag_draws_generates_ancestral_samples(ckpts, capsys):
     argv = ("--ckpt", ckpts / "st.pt", "--num-samples", 2, "--seed", 4, "--ancestral")
     by_hand = generate(letters_model(), batch_size=2, ancestral=True, generator=gen(4))
-    assert texts_of(sample_ok(capsys, *argv)) == [BYTES.decode(r) for r in by_hand.tokens]
+    texts = [BYTES.decode(row) for row in by_hand.tokens]
+    assert texts_of(sample_ok(capsys, *argv)) == texts
 
 
 def test_many_samples_start_with_a_small_batch(ckpts, capsys, monkeypatch):
