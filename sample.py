@@ -73,7 +73,8 @@ def build_parser() -> Parser:
     p.add_argument("--batch-size", type=at_least(1), help="rows a call (min(N, 16); --eval: 32)")
     p.add_argument("--max-new-tokens", type=at_least(1), help="tokens to write (all: L - P)")
     p.add_argument("--span-len", type=at_least(1), default=8, help="positions of a bare ___ (8)")
-    p.add_argument("--window", type=int, help="span from the first MASK (d; --infill: largest)")
+    window = "span from the first MASK (the policy's d, uniform L; --infill: the largest)"
+    p.add_argument("--window", type=int, help=window)
     tau = "confidence tau: a call reveals its top query and all >= tau (inf: the top only)"
     p.add_argument("--threshold", type=float, default=math.inf, help=tau)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (1)")
@@ -84,6 +85,8 @@ def build_parser() -> Parser:
     seeds = at_least(0, 2**64)  # torch.Generator's seeds
     p.add_argument("--seed", type=seeds, default=0, help="of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
+    ancestral = "the bound's model: one position a call, in an order drawn from the policy"
+    p.add_argument("--ancestral", action="store_true", help=ancestral)
     compiled = "torch.compile every call after the first (a CUDA graph on a GPU): same tokens"
     p.add_argument("--compile", action="store_true", help=compiled)
     p.add_argument("--show-order", action="store_true", help="mark what call N revealed: [text]N")

@@ -100,7 +100,7 @@ def check_config(cfg):
     if cfg.order == "staggered" and s is not None:
         bounds = f"[d={d}, L={L}]"
         require(d <= s <= L, f"the largest set size s must be in {bounds}, got {s}")
-    order_policy(cfg)  # a policy must say both its training order and its window
+    check_policy(cfg)  # a policy must say its training order and how the sampler follows it
     head_dim = cfg.d_model // cfg.n_head
     require(cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head")
     require(head_dim % 2 == 0, "d_model / n_head must be even (rotary pairs)")
@@ -121,8 +121,8 @@ def check_config(cfg):
 # so generation (time running 1 -> 0) reveals positions by T DESCENDING. Nearby curves
 # overlap: about d positions are revealed "at once", and a position can overtake only the
 # earlier positions within its reach r. Each policy has one home, its entry in ORDER_POLICIES,
-# which must say both the orders training draws and the sampler window they taught (OrderPolicy
-# has no defaults); a name not there is refused, never run as another policy.
+# which must say the orders training draws and everything the sampler needs to follow them
+# (OrderPolicy has no defaults); a name not there is refused, never run as another policy.
 def policy_name(cfg):
     """The policy as tables print it: "staggered d=4, s=8", "block d=4", "ar", "uniform"."""
     if cfg.order == "staggered":
@@ -134,15 +134,17 @@ def policy_name(cfg):
 
 @dataclass
 class OrderPolicy:
-    """An order policy pi, both halves. Training draws its orders; the sampler never does: its
-    window opens at the leftmost masked position f, and pi reaches it only through max_window
-    and block_size. (A policy not roughly left to right, say right to left, would need another
-    window rule, opened where its orders start; these fields would not describe it.)"""
+    """An order policy pi, whole: the orders training draws, and how the sampler follows them.
+    The sampler's window opens at the masked position of least sampler key k_f and spans the
+    keys [k_f, k_f + w): the key says where the policy's orders start and which way they run
+    (left to right: the position; right to left: L - 1 - position). Every field must be given:
+    an entry that leaves one out is refused, never run as left to right."""
 
     reveal_times: Callable  # (B, generator) -> (B, L) float64; the order is time DESCENDING
-    max_window: int  # the largest window w training met: no revealed token lies further from f
+    sampler_key: torch.Tensor  # (L,) each of 0..L-1 once: the window opens at the least masked
+    max_window: int  # the largest window w training met: no revealed key lies further from k_f
     set_size: int  # d: generation's window by default (infilling takes max_window)
-    block_size: int | None  # block edges: a window stays inside f's block; None: no edges
+    block_size: int | None  # block edges, in key order: a window stays in k_f's block; None: none
 
 
 class StaggeredSchedule:
@@ -210,7 +212,8 @@ def schedule_policy(cfg, d, s):
     """A staggered schedule's policy: its first hitting times; windows up to its reach ceil(r).
     NOTE: for d = s the reach d (L - 1) / (L - d) is a little more than s, and so is the window."""
     sched = StaggeredSchedule(cfg.seq_len, d, s)
-    return OrderPolicy(sched.first_hitting_times, sched.ceil_reach, d, None)
+    left_to_right = torch.arange(cfg.seq_len)  # the sampler key: the position
+    return OrderPolicy(sched.first_hitting_times, left_to_right, sched.ceil_reach, d, None)
 
 
 def block_policy(cfg):
@@ -224,7 +227,8 @@ def block_policy(cfg):
         U = torch.rand(batch_size, cfg.seq_len, dtype=torch.float64, generator=generator)
         return ahead + U  # (B, L)
 
-    return OrderPolicy(reveal_times, d, d, d)
+    left_to_right = torch.arange(cfg.seq_len)  # the sampler key: the position
+    return OrderPolicy(reveal_times, left_to_right, d, d, d)
 
 
 ORDER_POLICIES = {  # --order: cfg -> its OrderPolicy. A new policy is one entry here.
@@ -237,8 +241,17 @@ ORDER_POLICIES = {  # --order: cfg -> its OrderPolicy. A new policy is one entry
 
 def order_policy(cfg):
     """cfg.order's OrderPolicy, built for cfg. OrderPolicy has no defaults: an entry that does
-    not say both halves (training order, sampler window) fails here, at Config time."""
+    not say every field (training order, sampler key and windows) fails here, at Config time."""
     return ORDER_POLICIES[cfg.order](cfg)
+
+
+def check_policy(cfg):
+    """A policy's entry, checked once at Config time: every field given (a TypeError naming the
+    missing one), and a sampler key that orders the L positions, each of 0..L-1 once."""
+    key = order_policy(cfg).sampler_key
+    L = cfg.seq_len
+    ranks = torch.is_tensor(key) and sorted(key.tolist()) == list(range(L))
+    require(ranks, f"order policy {cfg.order!r}: sampler_key must hold each of 0..{L - 1} once")
 
 
 def sample_order(cfg, batch_size, generator=None, device=None, given=None, pad=None):
@@ -264,9 +277,10 @@ def max_window(cfg):
 
 
 def default_window(cfg, infill=False):
-    """The sampler's window w when none is given: the set size d for generation (the paper's w
-    = d), the largest for infilling (holes with context on both sides are easy to fill together).
-    d is the largest for ar (1), uniform (L) and block (d) alike."""
+    """The sampler's window w when none is given: the policy's set size d for generation (the
+    paper's w = d), the largest for infilling (holes with context on both sides are easy to fill
+    together). d is the largest for ar (1), uniform (L: cfg.set_size does not change it) and
+    block (d) alike."""
     policy = order_policy(cfg)
     return policy.max_window if infill else policy.set_size
 
@@ -507,8 +521,13 @@ def set_factorized_loss(model, x, order=None, generator=None):
     # The last step holds because the network never sees t: the integrand depends on the T's
     # only through the order sigma they induce (T descending; given positions are never masked
     # and come first). "Revealed at t" means the revealed tokens in their reveal order, as the
-    # set-causal clean stream sees them. The loss divides a row's sum by its token count and
-    # adds position 0's slot (predicted from nothing); `elbo` reports the sum, without it.
+    # set-causal clean stream sees them (a revealed token's keys see only those before it): the
+    # loss at time t depends on the order in which they were revealed, not only on which they
+    # are, so the integral is an expectation over orders, not over revealed sets.
+    # NOTE: the loss divides a row's sum by its token count, position 0's slot (predicted from
+    # nothing) included, then averages rows; `elbo` leaves position 0 out (given when sampling)
+    # and pools tokens over rows. They are different numbers: with BOS, whose slot soon costs
+    # nothing, the loss reads a little lower than the bound's nats/token.
     cfg = model.cfg
     if order is None:
         pad = padding(cfg, x)  # (B, L)
@@ -531,7 +550,7 @@ class Elbo:
     tokens_scored: int  # not given, not padding (a run's log says "tokens" for training tokens)
     num_orders: int  # K
     num_seqs: int  # rows
-    se: float  # standard error of the per-token NLL across rows
+    se: float  # standard error of the per-token NLL across rows: which rows, far more than orders
     nll_per_token: float  # nll / tokens
     ppl: float  # exp(nll / tokens): an upper bound on the perplexity
 
@@ -559,7 +578,14 @@ class Elbo:
 def elbo(model, x, num_orders=1, batch_size=32, generator=None, given=None, progress=False):
     """The bound exp(sum NLL / sum tokens) over rows x (N, L), K sampled orders per row, dropout
     off. `given` (N, L) bool marks context (an infill or prefix bound): it comes first in every
-    order and is not scored; position 0 and padding are never scored either."""
+    order and is not scored; position 0 and padding are never scored either.
+
+    "ppl <=" bounds the perplexity of the bound's model: one position revealed at a time in an
+    order sigma drawn from pi, p(x) = sum_sigma pi(sigma) prod_n p(x[sigma_n] | x[sigma_<n]),
+    which generate(ancestral=True) samples. generate's default samples another distribution
+    (its window opens at the first masked position, the most confident queries first); the two
+    agree for ar only. The standard error ("+-") takes rows as units: it measures which rows
+    were drawn far more than which orders (K orders a row shrink only the orders' part)."""
     x = x.long().cpu()
     N = len(x)
     if given is None:
@@ -615,8 +641,9 @@ def order_nll(model, x, order, scored):
 
 
 # ---- Sampler: window, candidates, commit rule -----------------------------------------------
-# One step of the set sampler: (1) the window: the masked positions in [f, f + w) from the
-# leftmost masked position f; (2) ONE network call predicting them; (3) a candidate token and
+# One step of the set sampler: (1) the window: the masked positions whose sampler keys lie in
+# [k_f, k_f + w) from the least masked key k_f (left to right: the positions [f, f + w) from the
+# leftmost masked position f); (2) ONE network call predicting them; (3) a candidate token and
 # its confidence per query; (4) the commit rule: reveal the most confident candidate plus
 # every candidate with confidence >= tau. The revealed tokens form this call's set.
 # Shapes: B rows of C positions (the canvas, and the KV cache's slots), n new tokens, m queries.
@@ -645,18 +672,34 @@ class Generation:
         return float((self.new_tokens / calls).mean())
 
 
-def window_queries(masked, window, block_size):
-    """Active queries, (B, positions) bool as `masked`: the window w is the span [f, f + w) of
-    positions from the leftmost masked one f, and a call predicts the masked ones in it; with
-    block edges (block_size, else None) only those inside f's block too."""
-    pos = torch.arange(masked.shape[1], device=masked.device)[None, :]
-    first_masked = masked.to(torch.uint8)
-    f = torch.argmax(first_masked, dim=1, keepdim=True)  # (B, 1)
-    active = masked & (pos >= f) & (pos < f + window)
+def window_queries(masked, key, window, block_size):
+    """Active queries, (B, C) bool as `masked`: the window w spans the keys [k_f, k_f + w) from
+    the least key k_f of a masked position, and a call predicts the masked positions in it; with
+    block edges (block_size, else None) only those inside k_f's block of keys [j d, (j + 1) d)
+    too. key (B, C): the policy's sampler key (left to right, the position: the window is then
+    [f, f + w) from the leftmost masked position f), or the ancestral sampler's ranks."""
+    past_every_key = torch.iinfo(torch.long).max // 2  # an unmasked position's: never the least
+    k = torch.where(masked, key, past_every_key)
+    k_f = k.min(1, keepdim=True).values  # (B, 1); every masked key is >= k_f
+    active = masked & (key < k_f + window)
     if block_size is None:
         return active
-    block_end = (f // block_size + 1) * block_size
-    return active & (pos < block_end)
+    block_end = (k_f // block_size + 1) * block_size
+    return active & (key < block_end)
+
+
+def ancestral_key(cfg, x, generator=None):
+    """The ancestral sampler's key (B, C): each position's step in an order sigma drawn from pi
+    (sample_order), the canvas x's given tokens first, positions past its C last. With it and
+    w = 1 a call reveals sigma's next position, drawn from p(x_i | x_{sigma_<n}): sigma and
+    these draws are the bound's model, p(x) = sum_sigma pi(sigma) prod_n p(x[sigma_n] | ...)."""
+    B, C = x.shape
+    L = cfg.seq_len
+    given = F.pad(x != cfg.mask_id, (0, L - C))  # (B, L)
+    beyond = torch.arange(L, device=x.device) >= C  # (L,)
+    order = sample_order(cfg, B, generator, x.device, given, beyond.expand(B, L))
+    rank = torch.argsort(order, dim=1)  # (B, L); those past C are the last L - C
+    return rank[:, :C]
 
 
 def draw_candidates(logits, temperature, top_p, u=None):
@@ -829,18 +872,19 @@ def predict(model, x, new, queries, cache=None):
     """ONE network call: [n new clean tokens] + [m MASK queries] -> the queries' logits (B, m, V).
 
     `new` and `queries` are (idx, valid) pairs (B, n) and (B, m) of positions of x (B, C). A
-    new token sees the cache, the new tokens before it and itself; a query sees the cache, all
-    new tokens and itself only: the training mask restricted to the rows that matter. Example,
-    C = 25 with a cache, 2 tokens revealed last call (positions 5, 9), 3 queries (6, 7, 8):
+    new token sees the cache, the new tokens before it in the call (the order of `new`: position
+    order for a set) and itself; a query sees the cache, all new tokens and itself only: the
+    training mask restricted to the rows that matter. Example, C = 25 with a cache, 2 tokens
+    revealed last call (positions 5, 9), 3 queries (6, 7, 8):
 
         keys     25 cache slots | 2 new tokens | 3 queries     (the queries of this call are
         rank     0 0 ... 0      | 1 2          | 3 3 3          the last n + m = 5 columns)
         is_mask  F F ... F      | F F          | T T T
         slot     0 1 ... 24     | 25 26        | 27 28 29
 
-    The cached step feeds the tokens revealed last call (in position order); the cache-free
-    step, with no cache, feeds every revealed token in decode order; cached = cache-free is
-    the cache's exactness."""
+    The cached step feeds the tokens revealed last call in position order; the cache-free step,
+    with no cache, feeds every revealed token in decode order, (call, position): a set enters in
+    position order in both, which is what makes cached = cache-free (the cache's exactness)."""
     new_idx, new_valid = new
     q_idx, q_valid = queries
     filled = new_valid[:, :0] if cache is None else cache.filled  # (B, C): C cache slots
@@ -874,6 +918,7 @@ def generate(
     use_cache=True,
     stop_at_eos=False,
     compile=False,
+    ancestral=False,
 ):
     """The set sampler, batched (each row has its own window and progress): `prompt` (P,) or
     (B, C) ids to continue, or `infill` with MASK where to fill (the rest is never changed);
@@ -883,13 +928,17 @@ def generate(
     torch.compile backend's name) runs every call after the first as one compiled function (a
     CUDA graph on a GPU), with the same tokens as without. -> a Generation.
 
-    The sampler never draws from the order policy: its window opens at the leftmost masked
-    position (as the authors' sampler), and the policy reaches it only through the largest
-    window it met in training and, for block, its block edges."""
+    By default the sampler draws no order from pi: its window opens at the masked position of
+    least sampler key (left to right: the leftmost, as the authors' sampler) and a call reveals
+    its most confident queries. That is another distribution than the model the likelihood
+    bound is about (they agree for ar only). `ancestral=True` samples that model: an order sigma
+    drawn from pi (given positions first), one position a call (w = 1), each token drawn from
+    p(x[sigma_n] | x[sigma_<n]), through the same calls, cache and candidates."""
     cfg = model.cfg
     device = next(model.parameters()).device
+    infilling = infill is not None
     w = sampler_window(
-        cfg, window, threshold, temperature, top_p, repetition_penalty, infill is not None
+        cfg, window, threshold, temperature, top_p, repetition_penalty, infilling, ancestral
     )
     require(use_cache or not compile, "compile=True runs the cached sampler: use_cache=True")
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, C)
@@ -901,6 +950,8 @@ def generate(
         u = torch.rand(C, B, m, generator=generator, dtype=torch.float64)
         uniforms = upload(u, "cpu" if device.type == "mps" else device)
     run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
+    if ancestral:  # the key: each row's ranks in an order drawn from pi (w = 1: one a call)
+        run.key = ancestral_key(cfg, x, generator)
     run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
     run.stop_at_eos = stop_at_eos
     # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
@@ -932,7 +983,7 @@ def sampler_call(model, run, n):
     x = run.x
     # 1. the window of each unfinished row
     masked = (x == cfg.mask_id) & ~run.done[:, None]
-    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
+    queries = gather_sets(window_queries(masked, run.key, run.w, run.block_size), n=run.m)
     # 2. one network call (cached: it also writes the last call's set into the cache)
     if run.cache is not None:
         new = gather_sets(run.pending, n=n)
@@ -971,7 +1022,10 @@ class SamplerRun:
         self.x = x  # (B, C) the canvas: MASK where not revealed yet
         self.w = w  # the window
         self.m = m  # queries a call
-        self.block_size = order_policy(cfg).block_size  # a window stays inside f's block
+        policy = order_policy(cfg)
+        self.block_size = policy.block_size  # a window stays inside k_f's block of keys
+        key = upload(policy.sampler_key[: x.shape[1]], x.device)
+        self.key = key.repeat(len(x), 1)  # (B, C) the window opens at the least masked key
         self.threshold = threshold  # tau
         self.temperature = temperature
         self.top_p = top_p
@@ -1027,7 +1081,14 @@ def stop_at_first_eos(cfg, x, reveal_call):
 
 # -- generate's argument checks (a first reading can skip them) -----------------------------
 def sampler_window(
-    cfg, window, threshold, temperature, top_p, repetition_penalty=1.0, infill=False
+    cfg,
+    window,
+    threshold,
+    temperature,
+    top_p,
+    repetition_penalty=1.0,
+    infill=False,
+    ancestral=False,
 ):
     """Check `generate`'s sampling arguments -> the window w. Messages name each argument as
     sample.py's flag of the same name does."""
@@ -1038,6 +1099,10 @@ def sampler_window(
     require(0 < repetition_penalty < math.inf, penalty)
     is_number = not math.isnan(threshold)
     require(is_number, "--threshold must be a number (> 1: one token a call)")
+    if ancestral:
+        one = f"--ancestral reveals one position a call: give --window 1 or none, got {window}"
+        require(window in (None, 1), one)
+        return 1
     if window is None:
         return default_window(cfg, infill)
     w_max = max_window(cfg)

@@ -7,6 +7,7 @@ Cases sit in tables {test id: case}; `table` turns one into pytest.mark.parametr
 import ast
 import contextlib
 import copy
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -14,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -234,33 +236,103 @@ def test_config_checks_only_what_the_policy_uses():
     assert uniform.order == "uniform"
 
 
-def right_to_left(batch_size, generator=None):
-    """A made-up policy's reveal times for L = 24: the later a position, the earlier revealed."""
-    return torch.arange(24.0).expand(batch_size, -1)
+def right_to_left(cfg):
+    """A made-up policy's fields: position L - 1 first, then leftwards (0 stays given first)."""
+    L = cfg.seq_len
+    times = torch.arange(L, dtype=torch.float64)  # the later a position, the earlier revealed
+
+    def reveal_times(batch_size, generator=None):
+        return times.expand(batch_size, L)
+
+    key = L - 1 - torch.arange(L)  # the sampler's window opens at the rightmost masked position
+    windows = dict(max_window=1, set_size=1, block_size=None)
+    return dict(reveal_times=reveal_times, sampler_key=key) | windows
+
+
+def add_policy(monkeypatch, omit=None, **change):
+    """The made-up policy "r2l", its one entry in ORDER_POLICIES, a field left out or changed
+    -> a tiny model of it."""
+
+    def r2l(cfg):
+        fields = right_to_left(cfg) | change
+        fields.pop(omit, None)
+        return setdiff.OrderPolicy(**fields)
+
+    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", r2l)
+    return tiny_model(order="r2l")
+
+
+FIELDS = [f.name for f in dataclasses.fields(setdiff.OrderPolicy)]
+OMITTED = {f"without-{name}": name for name in FIELDS}
+
+
+@table("field", OMITTED)
+def test_a_policy_that_leaves_out_a_field_is_refused(monkeypatch, field):
+    missing = f"missing 1 required positional argument: '{field}'"
+    with pytest.raises(TypeError, match=missing):
+        add_policy(monkeypatch, omit=field)
 
 
 @table(
-    "says",
-    {  # a made-up policy "r2l" that says one half only
-        "only-its-order": dict(reveal_times=right_to_left),
-        "only-its-window": dict(max_window=1, set_size=1, block_size=None),
+    "key",
+    {
+        "a-list": list(range(24)),
+        "too-short": torch.arange(23),
+        "a-repeated-position": torch.arange(24) // 2,
+        "from-1": torch.arange(1, 25),
     },
 )
-def test_a_policy_that_does_not_say_both_halves_is_refused(monkeypatch, says):
-    def r2l(cfg):
-        return setdiff.OrderPolicy(**says)
-
-    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", r2l)
-    with pytest.raises(TypeError, match="missing"):
-        tiny_cfg(order="r2l")
+def test_a_policy_whose_sampler_key_is_not_an_order_is_refused(monkeypatch, key):
+    with pytest.raises(ValueError, match="'r2l': sampler_key must hold each of 0..23 once"):
+        add_policy(monkeypatch, sampler_key=key)
 
 
 def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
-    r2l = setdiff.OrderPolicy(right_to_left, 1, 1, None)
-    monkeypatch.setitem(setdiff.ORDER_POLICIES, "r2l", lambda cfg: r2l)
-    order = sample_order(tiny_cfg(order="r2l"), 1, gen(0))
-    want = [0, *range(23, 0, -1)]  # position 0 given, then right to left
-    assert order[0].tolist() == want
+    """The loss of one entry's policy is its chain rule right to left, slot 0 (predicted from
+    nothing) included, by one-query forwards."""
+    model = add_policy(monkeypatch)
+    x = random_rows(model.cfg, 2, seed=3)
+    r2l = [0, *range(23, 0, -1)]
+    chains = [chain_nll(model, row, [], r2l) / 24 for row in x]
+    loss = setdiff.set_factorized_loss(model, x, generator=gen(0))
+    assert math.isclose(loss.item(), sum(chains) / 2, rel_tol=1e-5)
+
+
+def test_a_new_policy_is_scored_in_its_own_order(monkeypatch):
+    model = add_policy(monkeypatch)
+    x = random_rows(model.cfg, 2, seed=3)
+    chains = [chain_nll(model, row, [0], list(range(23, 0, -1))) for row in x]
+    bound = setdiff.elbo(model, x, generator=gen(0))
+    assert math.isclose(bound.nll, sum(chains), rel_tol=1e-5)
+
+
+@table("ancestral", {"default-sampler": False, "ancestral-sampler": True})
+@table("start", {"unconditional": dict(batch_size=2), "prompt": dict(prompt=[[65, 66]] * 2)})
+def test_a_new_policy_samples_in_its_own_order(monkeypatch, ancestral, start):
+    """Each call reveals the next position leftwards, from the row's end to the context."""
+    model = add_policy(monkeypatch)
+    out = generate(model, **start, ancestral=ancestral, generator=gen(1))
+    P = 24 - out.calls  # BOS (and the prompt): given
+    right_to_left = torch.arange(out.calls - 1, -1, -1)
+    assert torch.equal(out.reveal_call[:, P:], right_to_left.expand(2, -1))
+
+
+def readme_code(heading):
+    """The first ```python block of README.md after `heading`."""
+    after = (ROOT / "README.md").read_text().split(heading, 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_new_policy_runs_as_written_and_says_what_it_prints(monkeypatch, capsys):
+    """The README's right-to-left entry, run as written, prints the reveal order its comment
+    shows (the entry it adds is undone after the test)."""
+    monkeypatch.setattr(setdiff, "ORDER_POLICIES", dict(setdiff.ORDER_POLICIES))
+    code = readme_code("### Adding an order policy")
+    exec(code, {})
+    comment = re.search(r"^print\(.*\)  # (\[[-\d, ]*\])", code, re.M)
+    said = comment[1]
+    assert capsys.readouterr().out == said + "\n"
+    assert said == str([setdiff.GIVEN, *range(6, -1, -1)])
 
 
 EVERY_POLICY = pytest.mark.parametrize("order", list(setdiff.ORDER_POLICIES))  # new ones too
@@ -1069,7 +1141,8 @@ def replay_states(model, inputs, atol):
         # before call n: revealed = calls < n; call n-1's set (or the context) not cached
         canvas = torch.where(calls < n, out.tokens, cfg.mask_id)
         masked = canvas == cfg.mask_id
-        queries = setdiff.gather_sets(setdiff.window_queries(masked, 3, None))
+        active = setdiff.window_queries(masked, torch.arange(24), 3, None)
+        queries = setdiff.gather_sets(active)
         new = setdiff.gather_sets(calls == n - 1)
         cached = setdiff.predict(model, canvas, new, queries, cache)
         revealed = setdiff.gather_sets(calls < n, key=calls)  # in decode order
@@ -1078,12 +1151,13 @@ def replay_states(model, inputs, atol):
         assert torch.allclose(cached[valid], cache_free[valid], atol=atol, rtol=0)
 
 
-POLICIES = {  # order, window, threshold
-    "staggered-w3": ("staggered", 3, math.inf),
-    "staggered-w6-tau0.05": ("staggered", 6, 0.05),
-    "block-w3-tau0.1": ("block", 3, 0.1),
-    "uniform-w24-tau0.2": ("uniform", 24, 0.2),
-    "ar": ("ar", 1, math.inf),
+POLICIES = {  # order, window, threshold, ancestral
+    "staggered-w3": ("staggered", 3, math.inf, False),
+    "staggered-w6-tau0.05": ("staggered", 6, 0.05, False),
+    "block-w3-tau0.1": ("block", 3, 0.1, False),
+    "uniform-w24-tau0.2": ("uniform", 24, 0.2, False),
+    "ar": ("ar", 1, math.inf, False),
+    "staggered-ancestral": ("staggered", 1, math.inf, True),
 }
 
 
@@ -1109,7 +1183,7 @@ def generated(policy, decoding, start, use_cache=True, device="cpu"):
     """Sampled decoding runs in float64 (a float32 rounding difference between the cached
     and cache-free paths may, rarely, flip a draw), greedy in float32. -> (out, given, context),
     all on the CPU"""
-    order, window, threshold = POLICIES[policy]
+    order, window, threshold, ancestral = POLICIES[policy]
     temperature = TEMPERATURES[decoding]
     dtype = torch.float64 if temperature else torch.float32
     model = tiny_model(dtype=dtype, order=order).to(device)
@@ -1124,6 +1198,7 @@ def generated(policy, decoding, start, use_cache=True, device="cpu"):
         top_p=0.9,
         generator=gen(8),
         use_cache=use_cache,
+        ancestral=ancestral,
     )
     out.tokens = out.tokens.cpu()
     out.reveal_call = out.reveal_call.cpu()
@@ -1207,12 +1282,86 @@ def test_each_draw_is_the_training_forward_given_the_final_order(
     block = set_size if order == "block" else None
     for call, logits in enumerate(seen):
         masked = out.reveal_call >= call  # masked before this call
-        q = setdiff.window_queries(masked, window, block)
+        q = setdiff.window_queries(masked, torch.arange(24), window, block)
         for b in range(2):
             pos = int((out.reveal_call[b] == call).nonzero())
             slot = int(q[b, :pos].sum())  # queries are in position order
             got = torch.log_softmax(logits[b, slot], -1)
             assert torch.allclose(got, ref[b, pos], atol=1e-9)
+
+
+# The bound's model enumerated: rows of L = 4 whose positions 1-3 take the tokens 0-3 (EOS 2,
+# BOS 3; MASK 4 never), 64 rows in all, each's probability summed over pi's orders.
+ORACLE = dict(seq_len=4, vocab_size=5, mask_id=4, bos_id=3, eos_id=2, pad_id=None)
+ORACLE_POLICIES = {"ar": ("ar", 1), "uniform": ("uniform", 4)}  # order, d (default window)
+ORACLE_POLICIES |= {"block-d2": ("block", 2), "staggered-d2-s4": ("staggered", 2)}
+FREE_TOKENS = itertools.product(range(4), repeat=3)  # positions 1-3
+EVERY_ROW = torch.tensor([[3, *xs] for xs in FREE_TOKENS])  # (64, 4)
+
+
+def order_probabilities(cfg):
+    """pi's orders of positions 1-3 (0 is given) -> probability. Block d = 2: 1, then 2 and 3
+    either way. A schedule: P(T_a > T_b > T_c) = int (1 - F_a) F_c dF_b, F_i = m_i the CDF of
+    T_i, by the midpoint rule (ar: 1 for 1, 2, 3; uniform, d = s = L: 1/6 each)."""
+    if cfg.order == "block":
+        return {(1, 2, 3): 0.5, (1, 3, 2): 0.5}
+    sizes = {"ar": (1, 1), "uniform": (4, 4)}
+    d, s = sizes.get(cfg.order, (cfg.set_size, cfg.max_set_size))
+    t = torch.linspace(0, 1, 100001, dtype=torch.float64)
+    cdf = masking_curves(setdiff.StaggeredSchedule(4, d, s), t)  # (T, 4)
+    mid = (cdf[1:] + cdf[:-1]) / 2
+    rise = cdf.diff(dim=0)
+    probs = {}
+    for a, b, c in itertools.permutations((1, 2, 3)):
+        a_after_b_after_c = (1 - mid[:, a]) * mid[:, c] * rise[:, b]
+        probs[a, b, c] = float(a_after_b_after_c.sum())
+    return probs
+
+
+@functools.cache
+@torch.no_grad()
+def bound_model(policy):
+    """A tiny model of `policy` -> (model, p (64,)): every row's probability under the bound's
+    model, sum over orders sigma of pi(sigma) prod_n p(x[sigma_n] | x[sigma_<n])."""
+    order, d = ORACLE_POLICIES[policy]
+    model = tiny_model(order=order, set_size=d, **ORACLE)
+    model.head.weight.data *= 0.3  # flatter: no row is out of reach of 8,000 draws
+    p = torch.zeros(64, dtype=torch.float64)
+    for sigma, prob in order_probabilities(model.cfg).items():
+        order = torch.tensor([0, *sigma]).expand(64, -1)
+        nll = position_nll(model, EVERY_ROW, order)[:, 1:].sum(1)
+        p += prob * torch.exp(-nll)
+    assert math.isclose(float(p.sum()), 1, abs_tol=1e-6)
+    return model, p
+
+
+def distance_to_the_bounds_model(policy, ancestral, N=8000):
+    """The total variation between N samples' frequencies and p, and the noise it stays under
+    with probability 1 - 1e-6: E TV <= sum sqrt(p (1 - p) / N) / 2, and one sample moves TV by
+    1/N at most, so (McDiarmid) TV passes that by eps with probability exp(-2 N eps^2) at most."""
+    model, p = bound_model(policy)
+    out = generate(model, batch_size=N, ancestral=ancestral, generator=gen(0))
+    row = out.tokens[:, 1:] @ torch.tensor([16, 4, 1])  # EVERY_ROW's index
+    count = torch.bincount(row, minlength=64)
+    freq = count.double() / N
+    tv = (freq - p).abs().sum() / 2
+    mean_bound = (p * (1 - p) / N).sqrt().sum() / 2
+    eps = math.sqrt(math.log(1e6) / (2 * N))
+    return tv, mean_bound + eps
+
+
+@table("policy", {name: name for name in ORACLE_POLICIES})
+def test_ancestral_samples_follow_the_bounds_model(policy):
+    tv, noise = distance_to_the_bounds_model(policy, ancestral=True)
+    assert tv < noise
+
+
+@table("policy,differs", {name: (name, name != "ar") for name in ORACLE_POLICIES})
+def test_the_default_sampler_draws_another_distribution_except_for_ar(policy, differs):
+    """Its window opens at the leftmost masked position, and a call reveals its most confident
+    query (uniform: of all masked ones), not the next of an order drawn from pi."""
+    tv, noise = distance_to_the_bounds_model(policy, ancestral=False)
+    assert (tv > noise) == differs
 
 
 def block_reveals():
@@ -1241,6 +1390,42 @@ def test_block_sampler_with_threshold_0_takes_a_call_per_block():
     model = tiny_model(order="block", set_size=4)
     out = generate(model, window=4, threshold=0.0, temperature=0.0)
     assert out.calls == 24 // 4
+
+
+def window_by_hand(masked, key, window, block_size):
+    """The window rule a position at a time: masked, its key in [k_f, k_f + w) from the least
+    key k_f of a masked position, and (with blocks) in k_f's block of keys."""
+    rows = []
+    for row_masked, row_key in zip(masked.tolist(), key.tolist()):
+        keys = [k for m, k in zip(row_masked, row_key) if m]
+        k_f = min(keys, default=0)
+        row = []
+        for m, k in zip(row_masked, row_key):
+            inside = m and k_f <= k < k_f + window
+            if block_size is not None:
+                inside = inside and k // block_size == k_f // block_size
+            row.append(inside)
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+WINDOW_KEYS = {  # a key for each of 64 rows of 12 positions
+    "left-to-right": torch.arange(12).expand(64, -1),
+    "right-to-left": torch.arange(11, -1, -1).expand(64, -1),
+    "ranks-a-row": torch.argsort(torch.rand(64, 12, generator=gen(2)), 1),
+}
+
+
+@table("key", WINDOW_KEYS)
+@table(
+    "window,block_size",
+    {"w1": (1, None), "w3": (3, None), "w3-blocks-4": (3, 4), "w6-blocks-4": (6, 4)},
+)
+def test_a_window_spans_w_keys_from_the_least_masked_one(key, window, block_size):
+    masked = torch.rand(64, 12, generator=gen(1)) < 0.5
+    masked[0] = False  # a finished row: no query
+    got = setdiff.window_queries(masked, key, window, block_size)
+    assert torch.equal(got, window_by_hand(masked, key, window, block_size))
 
 
 def holey_rows(model, rows=slice(None)):
@@ -1455,6 +1640,7 @@ def test_generate_refuses_a_model_whose_outputs_are_nan():
         "bos-in-some-rows": (dict(prompt=[[257, 5], [5, 5]], batch_size=2), "some rows start"),
         "compile-cache-free": (dict(compile=True, use_cache=False), "use_cache=True"),
         "empty-prompt-without-bos": (dict(model=NO_BOS, prompt=[]), "--prompt is empty and"),
+        "ancestral-window-3": (dict(ancestral=True, window=3), "--ancestral reveals one"),
     },
 )
 def test_generate_rejects_a_bad_argument(kw, match):
@@ -4202,7 +4388,7 @@ def test_sampling_defaults_of_the_library_and_the_script_agree():
 
 
 FORWARDED = {  # generate()'s arguments that are sample.py flags -> a value not their default
-    "window": 2,
+    "window": 1,  # the one window --ancestral takes
     "threshold": 0.4,
     "temperature": 0.5,
     "top_p": 0.9,
@@ -4210,6 +4396,7 @@ FORWARDED = {  # generate()'s arguments that are sample.py flags -> a value not 
     "max_new_tokens": 7,
     "stop_at_eos": True,
     "compile": True,
+    "ancestral": True,
 }
 MADE_BY_SAMPLE = {"prompt", "infill", "batch_size"}  # text -> ids, rows a batch: tested apart
 
@@ -4290,6 +4477,13 @@ def test_batches_are_drawn_in_turn_from_one_generator_of_the_seed(ckpts, capsys)
         out_b = generate(letters_model(), batch_size=B, **sampler)
         by_hand += [BYTES.decode(row) for row in out_b.tokens]
     assert texts_of(out) == by_hand
+
+
+def test_the_ancestral_flag_draws_generates_ancestral_samples(ckpts, capsys):
+    argv = ("--ckpt", ckpts / "st.pt", "--num-samples", 2, "--seed", 4, "--ancestral")
+    by_hand = generate(letters_model(), batch_size=2, ancestral=True, generator=gen(4))
+    texts = [BYTES.decode(row) for row in by_hand.tokens]
+    assert texts_of(sample_ok(capsys, *argv)) == texts
 
 
 def test_many_samples_start_with_a_small_batch(ckpts, capsys, monkeypatch):
