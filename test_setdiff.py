@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -1346,6 +1347,31 @@ def test_past_its_graph_limit_a_compiled_run_goes_eager_saying_so_once(monkeypat
         same_generation(dynamo_run(model, 1, **kw), eager)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("--compile: dynamo's graph limit (2 a shape")
+
+
+@no_gpu
+def test_a_second_compiled_run_on_cuda_replays_every_call_and_records_nothing(monkeypatch):
+    """CUDA graphs (inductor's "reduce-overhead"): one token a call, so one set size, n = 1.
+    Run 1 records its graph (call 2 records, call 1 warms up); run 2, new seed and values of
+    the same switches, records none and replays every compiled call; none skipped or split."""
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    graph = torch.cuda.CUDAGraph
+    captures = mock.patch.object(
+        graph, "capture_begin", autospec=True, side_effect=graph.capture_begin
+    )
+    replays = mock.patch.object(graph, "replay", autospec=True, side_effect=graph.replay)
+    inductor = torch._dynamo.utils.counters["inductor"]
+    skipped = inductor["cudagraph_skips"] + inductor["cudagraph_partitions"]
+    model = tiny_model().to("cuda")
+    kw = dict(batch_size=2, window=3, threshold=math.inf, compile=True)
+    with captures as captured, replays as replayed:
+        generate(model, generator=gen(0), top_p=0.9, **kw)
+        assert captured.call_count == 1  # the one set size met
+        replayed.reset_mock()
+        second = generate(model, generator=gen(1), temperature=0.7, top_p=0.8, **kw)
+    assert captured.call_count == 1
+    assert replayed.call_count == second.calls - 1  # the first call runs eager
+    assert inductor["cudagraph_skips"] + inductor["cudagraph_partitions"] == skipped
 
 
 def fed_sizes(monkeypatch):
@@ -5042,6 +5068,35 @@ def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
     assert all(row["tokens_per_s"] > 0 for row in sampler)
     compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
     assert len(compiled) == 6 and all(row["compile_s"] > 0 for row in compiled)
+
+
+def test_gpu_check_dry_run_counts_what_two_compiled_runs_compile_and_record(gpu_check_rows):
+    """The CPU's share of the GPU's rows: graphs compiled by the first run only (a graph a set
+    size, so at least one), none recorded as a CUDA graph, the same calls in both runs."""
+    sampler = gpu_check_rows["sampler"]
+    compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
+    for row in compiled:
+        assert row["graphs_run1"] >= 1 and row["graphs_run2"] == 0
+        assert row["captures_run1"] == row["captures_run2"] == row["replays_run2"] == 0
+        assert row["cudagraph_skips_run2"] == row["cudagraph_partitions_run2"] == 0
+        assert row["calls_run1"] == row["calls_run2"] > 1
+
+
+def profiled(key, device_type, seconds, annotation=False):
+    """A profiler event as key_averages() gives it, with its own time on the host and device."""
+    micro = seconds * 1e6
+    kind = getattr(torch.autograd.DeviceType, device_type)
+    times = dict(self_cpu_time_total=micro, self_device_time_total=micro)
+    return types.SimpleNamespace(key=key, device_type=kind, is_user_annotation=annotation, **times)
+
+
+def test_gpu_check_counts_each_kernel_once():
+    """A GPU's profile: an operator (its device time is its kernel's), the kernel, and a user
+    annotation around them: only the kernel's 2 ms, as on the device's timeline."""
+    events = [profiled("aten::mm", "CPU", 0.002), profiled("gemm_kernel", "CUDA", 0.002)]
+    events.append(profiled("## forward ##", "CUDA", 0.003, annotation=True))
+    assert gpu_check.busy_seconds(events, cuda=True) == {"gemm_kernel": 0.002}
+    assert sum(gpu_check.busy_seconds(events, cuda=False).values()) == 0.007  # the CPU's own
 
 
 def test_gpu_check_dry_run_profiles_the_compiled_step(gpu_check_rows):
