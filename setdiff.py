@@ -900,7 +900,7 @@ def generate(
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, C)
     B, C = x.shape
     start = time.perf_counter()
-    m = min(w, C)  # queries a call: fixed, so that no call reads a count from the device
+    m = min(w, C)  # the most queries a call (a call's own count is read with its set size)
     run = sampler_run(model, B, C)  # this shape's tensors, reused by every run
     if temperature > 0:  # all of the run's draws at once: at most C calls of B x m
         u = torch.rand(C, B, m, generator=generator, dtype=torch.float64)
@@ -913,11 +913,11 @@ def generate(
     model.eval()  # dropout off; restored below
     # the first call feeds the given tokens, later ones a set (<= w new tokens) + m queries
     P = int(run.pending.sum(1).max())
-    n = next_call(sampler_call(model, run, P))
+    n, m = next_call(sampler_call(model, run, P, m))
     step = compiled_call(run, compile) if compile else sampler_call
     try:
         while n:  # n: the set size of the last call, the new tokens of the next
-            n = next_call(step(model, run, n))
+            n, m = next_call(step(model, run, n, m))
     finally:
         model.train(was_training)
     synchronize(device)
@@ -929,15 +929,15 @@ def generate(
     return Generation(tokens, reveal_call, int(run.call), row_calls, seconds)
 
 
-def sampler_call(model, run, n):
-    """One step of the set sampler, feeding n new tokens -> what the host reads after it:
-    (every row done, an output NaN, the most tokens a row revealed)."""
+def sampler_call(model, run, n, m):
+    """One step of the set sampler, feeding n new tokens and m queries -> what the host reads
+    after it: (every row done, an output NaN, the most tokens a row revealed, the most
+    queries a row's next window holds)."""
     cfg = model.cfg
     x = run.x
     cache = run.cache if run.use_cache else None
     # 1. the window of each unfinished row
-    masked = (x == cfg.mask_id) & ~run.done[:, None]
-    queries = gather_sets(window_queries(masked, run.w, run.block_size), n=run.m)
+    queries = gather_sets(window_of(cfg, run), n=m)
     # 2. one network call (cached: it also writes the last call's set into the cache)
     if cache is not None:
         new = gather_sets(run.pending, n=n)
@@ -952,7 +952,7 @@ def sampler_call(model, run, n):
     u = None
     if not run.greedy:
         call = run.call.to(run.uniforms.device)  # MPS: uniforms on the CPU (no float64)
-        u = run.uniforms[call][0, :, : run.m]  # (B, m); a tensor index: no host read
+        u = run.uniforms[call][0, :, :m]  # (B, m); a tensor index: no host read
     top_p = run.top_p if run.nucleus else None
     cand, conf = draw_candidates(logits, run.temperature, top_p, u)  # (B, m)
     q_idx, q_valid = queries
@@ -966,16 +966,24 @@ def sampler_call(model, run, n):
     if run.stop_at_eos:
         run.done |= stop_at_first_eos(cfg, x, run.reveal_call)
     set_size = reveal.sum(1).max()
-    return torch.stack([run.done.all(), run.diverged[0], set_size])
+    next_queries = window_of(cfg, run).sum(1).max()
+    return torch.stack([run.done.all(), run.diverged[0], set_size, next_queries])
 
 
-def next_call(read) -> int:
+def window_of(cfg, run):
+    """The queries of the next call: the masked positions in each unfinished row's window."""
+    masked = (run.x == cfg.mask_id) & ~run.done[:, None]
+    return window_queries(masked, run.w, run.block_size)  # (B, C)
+
+
+def next_call(read) -> tuple:
     """A sampler call's one read of the device -> the next call's n new tokens (the last call's
-    set size), 0 when every row is done. NaN outputs (weights that diverged) are refused here,
-    a call late, not by a read of their own."""
-    finished, nan, set_size = read.tolist()
+    set size; 0 when every row is done) and m queries. NaN outputs (weights that diverged) are
+    refused here, a call late, not by a read of their own."""
+    finished, nan, set_size, queries = read.tolist()
     require(not nan, "the model's outputs are NaN: its weights diverged")
-    return 0 if finished else set_size
+    n = 0 if finished else set_size
+    return n, queries
 
 
 def write_where(t, idx, chosen, values):
@@ -1738,15 +1746,15 @@ def compiled_call(run, backend):
         name = "inductor" if backend is True else backend
         run.steps[key] = compiled(sampler_call, name, limit)
 
-    def call(model, run, n):
+    def call(model, run, n, m):  # m queries: a compiled call feeds min(w, C), its graphs n only
         try:
-            return run.steps[key](model, run, n)
+            return run.steps[key](model, run, n, run.m)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # an Exception, not dynamo's error
             shape = f"batch {len(run.x)}, {run.x.shape[1]} positions, window {run.w}"
             why = f"dynamo's graph limit ({limit} a shape, 256 a process) is reached"
             print(f"--compile: {why}: {shape} runs eager", file=sys.stderr)
             run.steps[key] = sampler_call
-            return sampler_call(model, run, n)
+            return sampler_call(model, run, n, m)
         except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
             why = str(e).split("\n")[0]
             raise ValueError(
