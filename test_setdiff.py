@@ -1316,6 +1316,15 @@ def test_a_shapes_state_keeps_its_addresses_across_runs():
     assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
 
 
+def test_a_model_keeps_the_state_of_its_last_8_shapes():
+    """Batch sizes 1 to 9 (9 shapes): the first one's state goes, the others are kept."""
+    model = tiny_model()
+    for B in range(1, 10):
+        generate(model, batch_size=B, max_new_tokens=2)
+    kept = [shape[0] for shape in setdiff.SAMPLER_RUNS[model]]
+    assert kept == list(range(2, 10))
+
+
 VARIED = [(B, new, w) for B in (1, 3) for new in (6, 23) for w in (1, 2)]  # 4 shapes
 
 
