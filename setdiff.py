@@ -1749,6 +1749,8 @@ def compiled_call(run, backend):
     def call(model, run, n, m):  # m queries: a compiled call feeds min(w, C), its graphs n only
         try:
             return run.steps[key](model, run, n, run.m)
+        # NOTE: caught here, not set_stance("eager_on_recompile"): a stance is the whole
+        # process's, and would change the user's own compiled functions too
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # an Exception, not dynamo's error
             shape = f"batch {len(run.x)}, {run.x.shape[1]} positions, window {run.w}"
             why = f"dynamo's graph limit ({limit} a shape, 256 a process) is reached"

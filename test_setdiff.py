@@ -1316,6 +1316,16 @@ def test_a_shapes_state_keeps_its_addresses_across_runs():
     assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
 
 
+def test_a_runs_settings_are_its_numbers_exactly():
+    """tau, temperature, top-p and penalty as 0-d tensors: the same numbers as the floats."""
+    model = tiny_model(dtype=torch.float64)
+    kw = dict(threshold=0.3, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+    generate(model, **kw)
+    (run,) = setdiff.SAMPLER_RUNS[model].values()
+    settings = [run.threshold, run.temperature, run.top_p, run.penalty]
+    assert [t.item() for t in settings] == list(kw.values())
+
+
 def test_a_model_keeps_the_state_of_its_last_8_shapes():
     """Batch sizes 1 to 9 (9 shapes): the first one's state goes, the others are kept."""
     model = tiny_model()
