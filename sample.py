@@ -84,9 +84,9 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=seeds, default=0, help="of samples and --eval orders (0)")
     p.add_argument("--stop-at-eos", action="store_true", help="end at the first EOS it generates")
     compiled = (
-        "torch.compile every call after the first (a CUDA graph on a GPU): same tokens. On a"
-        " CPU it pays at batch 1 (1.4x eager) and costs at batch 16 (0.3-0.4x), after 15-45 s"
-        " compiling each set size met (experiments/README.md)"
+        "torch.compile every call after the first (a CUDA graph on a GPU): same tokens. For a"
+        " GPU: on a CPU it costs, 0.94-0.99x eager at batch 1 and 0.3-0.4x at batch 16, after"
+        " 10-45 s compiling each set size met (experiments/README.md)"
     )
     p.add_argument("--compile", action="store_true", help=compiled)
     p.add_argument("--show-order", action="store_true", help="mark what call N revealed: [text]N")
