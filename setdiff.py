@@ -882,11 +882,12 @@ def generate(
     call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
     default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
     torch.compile backend's name) runs every call after the first as one compiled function (a
-    CUDA graph on a GPU), with the same tokens as without: one graph per set size met, times
-    the switches greedy, top-p, penalty and stop-at-EOS, so at most 16 min(w, C) per shape
-    (B, C) and window, compiled by the shape's first runs and reused by the later ones (new
-    values of tau, temperature, top-p or penalty make none). Past that bound, or past dynamo's
-    256 a process, the rest runs eager, said in one line on stderr. -> a Generation.
+    CUDA graph on a GPU), with the same tokens as without: one graph per set size met (exact
+    sizes, not one call padded to w: experiments/README.md says why), times the switches
+    greedy, top-p, penalty and stop-at-EOS, so at most 16 min(w, C) per shape (B, C) and
+    window, compiled by the shape's first runs and reused by the later ones (new values of
+    tau, temperature, top-p or penalty make none). Past that bound, or past dynamo's 256 a
+    process, the rest runs eager, said in one line on stderr. -> a Generation.
 
     The sampler never draws from the order policy: its window opens at the leftmost masked
     position (as the authors' sampler), and the policy reaches it only through the largest
