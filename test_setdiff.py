@@ -1316,6 +1316,19 @@ def test_a_shapes_state_keeps_its_addresses_across_runs():
     assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
 
 
+def test_a_compiled_call_asks_inductor_for_cuda_graphs_and_counts_its_own_graphs(monkeypatch):
+    """Inductor alone takes "reduce-overhead" (CUDA graphs); every compile keeps its own count
+    of graphs, up to the limit given (a CPU cannot capture: the arguments are the proof)."""
+    spy = mock.Mock()
+    monkeypatch.setattr(torch, "compile", spy)
+    for backend in ("inductor", "eager"):
+        setdiff.compiled(setdiff.sampler_call, backend, 12)
+    modes = [call.kwargs.get("mode") for call in spy.call_args_list]
+    assert modes == ["reduce-overhead", None]
+    for call in spy.call_args_list:
+        assert call.kwargs["isolate_recompiles"] and call.kwargs["recompile_limit"] == 12
+
+
 def test_a_runs_settings_are_its_numbers_exactly():
     """tau, temperature, top-p and penalty as 0-d tensors: the same numbers as the floats."""
     model = tiny_model(dtype=torch.float64)
