@@ -20,8 +20,10 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import unicodedata
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -702,30 +704,32 @@ def ancestral_key(cfg, x, generator=None):
     return rank[:, :C]
 
 
-def draw_candidates(logits, temperature, top_p, u=None):
+def draw_candidates(logits, temperature, top_p=None, u=None):
     """A candidate and its confidence per query: logits (B, n, V) -> (cand, conf) (B, n).
 
     Confidence is the probability of the drawn token under the distribution it was drawn
-    from (temperature-scaled, top-p truncated and renormalised). Greedy takes the most
-    probable token (the first, by id, of tied ones), its confidence from the plain softmax's
-    nucleus, renormalised as the authors do. A draw inverts the CDF, in id order, at the
-    uniforms u (B, n) (float64, drawn by the caller: the same tokens on every device)."""
+    from (temperature-scaled, top-p truncated and renormalised; top_p None: not truncated).
+    Without uniforms u (greedy) the most probable token (the first, by id, of tied ones),
+    its confidence from the plain softmax's nucleus, renormalised as the authors do. A draw
+    inverts the CDF, in id order, at the uniforms u (B, n) (float64, drawn by the caller: the
+    same tokens on every device). temperature and top_p are numbers or 0-d tensors: no branch
+    reads their values, so one compiled graph serves them all."""
     device = logits.device  # MPS has no float64; float64 stays float64 (tests)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     work = "cpu" if device.type == "mps" else device
     logits = logits.to(work, dtype)
     # subtract the max BEFORE dividing: a tiny temperature then gives a one-hot, not inf - inf
     top = logits.max(-1, keepdim=True).values
-    scale = temperature if temperature > 0 else 1.0
+    scale = 1.0 if u is None else temperature
     probs = F.softmax((logits - top) / scale, -1)  # (B, n, V)
-    if top_p < 1:  # the smallest set of tokens with mass >= p: the only sort
+    if top_p is not None:  # the smallest set of tokens with mass >= p: the only sort
         p_sorted, vocab_idx = probs.sort(dim=-1, descending=True, stable=True)
         before = p_sorted.cumsum(-1) - p_sorted
         nucleus = torch.zeros_like(probs, dtype=torch.bool)
         nucleus.scatter_(-1, vocab_idx, before < top_p)
         probs = probs * nucleus
         probs = probs / probs.sum(-1, keepdim=True)
-    if temperature == 0:  # greedy: argmax returns the first of tied tokens
+    if u is None:  # greedy: argmax returns the first of tied tokens
         cand = probs.argmax(-1, keepdim=True)
     else:
         # NOTE: the CDF is inverted in float64: in float32 a u just below the total mass can
@@ -926,7 +930,12 @@ def generate(
     call; temperature 0 is greedy; top_p 1 samples the model's own distribution (the authors'
     default). `use_cache=False` runs the cache-free reference step; `compile=True` (or a
     torch.compile backend's name) runs every call after the first as one compiled function (a
-    CUDA graph on a GPU), with the same tokens as without. -> a Generation.
+    CUDA graph on a GPU), with the same tokens as without: one graph per set size met (exact
+    sizes, not one call padded to w: experiments/README.md says why), times the switches
+    greedy, top-p, penalty and stop-at-EOS, so at most 16 min(w, C) per shape (B, C) and
+    window, compiled by the shape's first runs and reused by the later ones (new values of
+    tau, temperature, top-p or penalty make none). Past that bound, or past dynamo's 256 a
+    process, the rest runs eager, said in one line on stderr. -> a Generation.
 
     By default the sampler draws no order from pi: its window opens at the masked position of
     least sampler key (left to right: the leftmost, as the authors' sampler) and a call reveals
@@ -944,27 +953,26 @@ def generate(
     x = canvas(cfg, prompt, infill, batch_size, max_new_tokens, device)  # (B, C)
     B, C = x.shape
     start = time.perf_counter()
-    m = min(w, C)  # queries a call: fixed, so that no call reads a count from the device
-    uniforms = None
+    m = min(w, C)  # the most queries a call (a call's own count is read with its set size)
+    run = sampler_run(model, B, C)  # this shape's tensors, reused by every run
     if temperature > 0:  # all of the run's draws at once: at most C calls of B x m
         u = torch.rand(C, B, m, generator=generator, dtype=torch.float64)
-        uniforms = upload(u, "cpu" if device.type == "mps" else device)
-    run = SamplerRun(cfg, x, w, m, threshold, temperature, top_p, repetition_penalty, uniforms)
+        run.uniforms[..., :m].copy_(upload(u, run.uniforms.device))
+    run.start(x, w, m, threshold, temperature, top_p, repetition_penalty)
     if ancestral:  # the key: each row's ranks in an order drawn from pi (w = 1: one a call)
-        run.key = ancestral_key(cfg, x, generator)
-    run.first_seen = 0 if infill is None else GIVEN  # see penalize_repeats
+        run.key.copy_(ancestral_key(cfg, x, generator))
+    run.first_seen.fill_(0 if infill is None else GIVEN)  # see penalize_repeats
     run.stop_at_eos = stop_at_eos
-    # the first call feeds the P given tokens, later ones a set (<= w new tokens) + m queries
-    P = int(run.pending.sum(1).max())
-    if use_cache:
-        run.cache = KVCache(cfg, B, C, max(P, w) + m, device)
+    run.use_cache = use_cache
     was_training = model.training
     model.eval()  # dropout off; restored below
-    n = next_call(sampler_call(model, run, P))
+    # the first call feeds the given tokens, later ones a set (<= w new tokens) + m queries
+    P = int(run.pending.sum(1).max())
+    n, m = next_call(sampler_call(model, run, P, m))
     step = compiled_call(run, compile) if compile else sampler_call
     try:
         while n:  # n: the set size of the last call, the new tokens of the next
-            n = next_call(step(model, run, n))
+            n, m = next_call(step(model, run, n, m))
     finally:
         model.train(was_training)
     synchronize(device)
@@ -976,30 +984,32 @@ def generate(
     return Generation(tokens, reveal_call, int(run.call), row_calls, seconds)
 
 
-def sampler_call(model, run, n):
-    """One step of the set sampler, feeding n new tokens -> what the host reads after it:
-    (every row done, an output NaN, the most tokens a row revealed)."""
+def sampler_call(model, run, n, m):
+    """One step of the set sampler, feeding n new tokens and m queries -> what the host reads
+    after it: (every row done, an output NaN, the most tokens a row revealed, the most
+    queries a row's next window holds)."""
     cfg = model.cfg
     x = run.x
+    cache = run.cache if run.use_cache else None
     # 1. the window of each unfinished row
-    masked = (x == cfg.mask_id) & ~run.done[:, None]
-    queries = gather_sets(window_queries(masked, run.key, run.w, run.block_size), n=run.m)
+    queries = gather_sets(window_of(cfg, run), n=m)
     # 2. one network call (cached: it also writes the last call's set into the cache)
-    if run.cache is not None:
+    if cache is not None:
         new = gather_sets(run.pending, n=n)
     else:  # the cache-free step: every revealed token, in decode order (call, position)
         new = gather_sets(run.reveal_call >= GIVEN, key=run.reveal_call)
-    logits = predict(model, x, new, queries, run.cache)
+    logits = predict(model, x, new, queries, cache)
     run.diverged |= logits.isnan().any()
-    if run.penalty != 1:
+    if run.penalized:
         seen = (run.reveal_call >= run.first_seen) & ~padding(cfg, x)
         logits = penalize_repeats(logits, x, seen, run.penalty)
     # 3. a candidate per query; 4. the commit rule picks this call's set
     u = None
-    if run.uniforms is not None:
+    if not run.greedy:
         call = run.call.to(run.uniforms.device)  # MPS: uniforms on the CPU (no float64)
-        u = run.uniforms[call][0]  # (B, m); a tensor index: no host read
-    cand, conf = draw_candidates(logits, run.temperature, run.top_p, u)  # (B, m)
+        u = run.uniforms[call][0, :, :m]  # (B, m); a tensor index: no host read
+    top_p = run.top_p if run.nucleus else None
+    cand, conf = draw_candidates(logits, run.temperature, top_p, u)  # (B, m)
     q_idx, q_valid = queries
     reveal = commit_rule(conf, q_valid, run.threshold)  # (B, m)
     write_where(x, q_idx, reveal, cand)
@@ -1011,44 +1021,24 @@ def sampler_call(model, run, n):
     if run.stop_at_eos:
         run.done |= stop_at_first_eos(cfg, x, run.reveal_call)
     set_size = reveal.sum(1).max()
-    return torch.stack([run.done.all(), run.diverged[0], set_size])
+    next_queries = window_of(cfg, run).sum(1).max()
+    return torch.stack([run.done.all(), run.diverged[0], set_size, next_queries])
 
 
-class SamplerRun:
-    """The settings and tensors of one generate() run. Every call updates the tensors in place:
-    at fixed addresses, a compiled call is one CUDA graph replayed."""
-
-    def __init__(self, cfg, x, w, m, threshold, temperature, top_p, penalty, uniforms):
-        self.x = x  # (B, C) the canvas: MASK where not revealed yet
-        self.w = w  # the window
-        self.m = m  # queries a call
-        policy = order_policy(cfg)
-        self.block_size = policy.block_size  # a window stays inside k_f's block of keys
-        key = upload(policy.sampler_key[: x.shape[1]], x.device)
-        self.key = key.repeat(len(x), 1)  # (B, C) the window opens at the least masked key
-        self.threshold = threshold  # tau
-        self.temperature = temperature
-        self.top_p = top_p
-        self.penalty = penalty
-        self.uniforms = uniforms  # (C, B, m) call c draws with uniforms[c]; None: greedy
-        self.first_seen = 0
-        self.stop_at_eos = False
-        self.cache = None  # a KVCache, or None for the cache-free step
-        self.reveal_call = torch.where(x == cfg.mask_id, MASKED, GIVEN)  # (B, C)
-        self.pending = x != cfg.mask_id  # revealed, not cached yet: the context, at first
-        self.done = self.pending.all(1)  # (B,)
-        self.row_calls = torch.zeros_like(self.done, dtype=torch.long)  # (B,)
-        self.call = torch.zeros(1, dtype=torch.long, device=x.device)  # calls so far
-        self.diverged = torch.zeros(1, dtype=torch.bool, device=x.device)
+def window_of(cfg, run):
+    """The queries of the next call: the masked positions in each unfinished row's window."""
+    masked = (run.x == cfg.mask_id) & ~run.done[:, None]
+    return window_queries(masked, run.key, run.w, run.block_size)  # (B, C)
 
 
-def next_call(read) -> int:
+def next_call(read) -> tuple:
     """A sampler call's one read of the device -> the next call's n new tokens (the last call's
-    set size), 0 when every row is done. NaN outputs (weights that diverged) are refused here,
-    a call late, not by a read of their own."""
-    finished, nan, set_size = read.tolist()
+    set size; 0 when every row is done) and m queries. NaN outputs (weights that diverged) are
+    refused here, a call late, not by a read of their own."""
+    finished, nan, set_size, queries = read.tolist()
     require(not nan, "the model's outputs are NaN: its weights diverged")
-    return 0 if finished else set_size
+    n = 0 if finished else set_size
+    return n, queries
 
 
 def write_where(t, idx, chosen, values):
@@ -1774,15 +1764,115 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def compiled_call(run, backend):
-    """sampler_call compiled for `run` (backend True: inductor, or a torch.compile backend's
-    name), its tensors at fixed addresses; a failure to compile is one line naming --compile."""
-    fixed_addresses(run, run.cache)
-    step = compiled(sampler_call, "inductor" if backend is True else backend)
+# The sampler's state, one per shape, and its compiled calls. Graphs a compiled call needs, per
+# shape (B, C, device, compute dtype) and window w: one per set size n in 1..min(w, C) and per
+# setting of the four switches of SamplerRun: at most 16 min(w, C), its recompile_limit. Past
+# it, or past dynamo's cap of 256 graphs for sampler_call in a process (a uniform-order model's
+# w = L can reach it), that shape and window run eager, with the same tokens, said in one line.
+SAMPLER_RUNS = weakref.WeakKeyDictionary()  # model -> {shape: SamplerRun}
+SHAPES_KEPT = 8  # shapes a model keeps state for: the oldest goes (a long-running server)
+SWITCHES = 4  # greedy, top-p, penalty, stop at EOS: Python values a compiled graph reads
 
-    def call(model, run, n):
+
+class SamplerRun:
+    """The tensors a sampler call reads and writes, for B rows of C positions: allocated once
+    per shape (sampler_run) and reused by every later run, which `start` copies its inputs
+    into. The settings that are numbers are 0-d tensors: a new value is a copy, not a new
+    compiled graph; only the window and four switches (greedy, top-p, penalty, stop at EOS)
+    are Python values. At fixed addresses, a compiled call is a CUDA graph recorded once."""
+
+    def __init__(self, cfg, B, C, device):
+        m = min(max_window(cfg), C)  # the most queries a call
+        self.mask_id = cfg.mask_id
+        policy = order_policy(cfg)
+        self.block_size = policy.block_size  # a window stays inside k_f's block of keys
+        self.x = torch.zeros(B, C, dtype=torch.long, device=device)  # the canvas
+        self.sampler_key = upload(policy.sampler_key[:C], device)  # (C,)
+        self.key = torch.zeros_like(self.x)  # (B, C) the window opens at the least masked key
+        self.reveal_call = torch.zeros_like(self.x)  # (B, C)
+        self.pending = torch.zeros_like(self.x, dtype=torch.bool)  # revealed, not cached yet
+        self.done = torch.zeros_like(self.pending[:, 0])  # (B,)
+        self.row_calls = torch.zeros_like(self.x[:, 0])  # (B,)
+        self.call = torch.zeros(1, dtype=torch.long, device=device)  # calls so far
+        self.diverged = torch.zeros(1, dtype=torch.bool, device=device)
+        # call c draws with uniforms[c] (float64: MPS has none, so they stay on its CPU)
+        mps = torch.device(device).type == "mps"
+        on = "cpu" if mps else device
+        self.uniforms = torch.zeros(C, B, m, dtype=torch.float64, device=on)
+        real = torch.float32 if mps else torch.float64  # a setting as exact as a Python float
+        number = torch.zeros((), dtype=real, device=device)  # tau, temperature, top-p, penalty
+        self.threshold = number.clone()
+        self.temperature = number.clone()
+        self.top_p = number.clone()
+        self.penalty = number.clone()
+        self.first_seen = torch.zeros((), dtype=torch.long, device=device)
+        # NOTE: slots for a call of C + m tokens (the given tokens can fill a row): a cache
+        # about twice the row's size, so that every run of this shape uses the same one
+        self.cache = KVCache(cfg, B, C, C + m, device)
+        self.steps = {}  # the compiled calls, by window and backend (compiled_call)
+
+    def start(self, x, w, m, threshold, temperature, top_p, penalty):
+        """A new run on the canvas x (B, C): copies, never a new tensor."""
+        self.w = w  # the window
+        self.m = m  # queries a call
+        self.greedy = temperature == 0
+        self.nucleus = top_p < 1
+        self.penalized = penalty != 1
+        self.x.copy_(x)
+        self.key.copy_(self.sampler_key.expand_as(x))  # the ancestral sampler's: generate
+        masked = x == self.mask_id
+        self.reveal_call.copy_(torch.where(masked, MASKED, GIVEN))
+        self.pending.copy_(~masked)  # the context, at first
+        self.done.copy_(self.pending.all(1))
+        for t in (self.row_calls, self.call, self.diverged, self.cache.filled):
+            t.zero_()
+        self.threshold.fill_(threshold)
+        self.temperature.fill_(temperature)
+        self.top_p.fill_(top_p)
+        self.penalty.fill_(penalty)
+        if self.cache.k is not None:  # stale keys are masked, but a NaN would leak through
+            self.cache.k.zero_()
+            self.cache.v.zero_()
+
+
+def sampler_run(model, B, C) -> SamplerRun:
+    """The SamplerRun of this model for B rows of C positions on its device, in the dtype
+    its calls compute in: made by the first run of the shape, reused by the later ones."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    runs = SAMPLER_RUNS.setdefault(model, {})
+    key = (B, C, device, dtype)
+    if key not in runs and len(runs) == SHAPES_KEPT:
+        runs.pop(next(iter(runs)))
+    if key not in runs:
+        runs[key] = SamplerRun(model.cfg, B, C, device)
+    return runs[key]
+
+
+def compiled_call(run, backend):
+    """sampler_call compiled for `run`'s shape and window (backend True: inductor, or a
+    torch.compile backend's name), its tensors at fixed addresses; a failure to compile is
+    one line naming --compile; past the graphs it may make, eager calls (one line says so)."""
+    key = (run.w, backend)
+    limit = 2**SWITCHES * run.m
+    if key not in run.steps:
+        fixed_addresses(run, run.cache)
+        name = "inductor" if backend is True else backend
+        run.steps[key] = compiled(sampler_call, name, limit)
+
+    def call(model, run, n, m):  # m queries: a compiled call feeds min(w, C), its graphs n only
         try:
-            return step(model, run, n)
+            return run.steps[key](model, run, n, run.m)
+        # NOTE: caught here, not set_stance("eager_on_recompile"): a stance is the whole
+        # process's, and would change the user's own compiled functions too
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # an Exception, not dynamo's error
+            shape = f"batch {len(run.x)}, {run.x.shape[1]} positions, window {run.w}"
+            why = f"dynamo's graph limit ({limit} a shape, 256 a process) is reached"
+            print(f"--compile: {why}: {shape} runs eager", file=sys.stderr)
+            run.steps[key] = sampler_call
+            return sampler_call(model, run, n, m)
         except torch._dynamo.exc.TorchDynamoException as e:  # no C++ compiler, say
             why = str(e).split("\n")[0]
             raise ValueError(
@@ -1792,15 +1882,14 @@ def compiled_call(run, backend):
     return call
 
 
-@functools.cache
-def compiled(function, backend="inductor"):
+def compiled(function, backend, limit):
     """`function` (a sampler call) compiled whole, without graph breaks, one capture per set of
-    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. NOTE:
-    dynamo's default of 8 compiles per function would fall back to eager beyond w = 8."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 64)
-    options = dict(fullgraph=True, mode="reduce-overhead", dynamic=False)
-    return torch.compile(function, backend=backend, **options)
+    shapes (n new tokens): "reduce-overhead" replays each as a CUDA graph on a GPU. Its graphs
+    are counted apart from other compiles of `function`, at most `limit` (then it raises)."""
+    options = dict(fullgraph=True, dynamic=False, recompile_limit=limit)
+    if backend == "inductor":  # the others take no mode
+        options["mode"] = "reduce-overhead"
+    return torch.compile(function, backend=backend, isolate_recompiles=True, **options)
 
 
 def fixed_addresses(*holders):

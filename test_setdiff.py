@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -986,8 +987,13 @@ DRAWS = {  # temperature, top-p -> draw frequencies, confidence of each token
 
 
 def draws(temperature, top_p):
+    """generate's arguments: no uniforms when greedy, top_p None when 1."""
     logits = P4.log().expand(1, 20000, 4)
     u = torch.rand(1, 20000, generator=gen(0), dtype=torch.float64)
+    if temperature == 0:
+        u = None
+    if top_p == 1:
+        top_p = None
     return setdiff.draw_candidates(logits, temperature, top_p, u)
 
 
@@ -1014,7 +1020,7 @@ def almost_one(shape, **kw):
 @table(
     "top_p",
     {
-        "top-p-off": 1.0,  # the plain inverse CDF
+        "top-p-off": None,  # the plain inverse CDF
         "top-p-0.9": 0.9,  # the truncated one
     },
 )
@@ -1030,7 +1036,7 @@ def test_a_draw_never_rounds_up_onto_mask(top_p):
 def test_a_tiny_temperature_is_greedy():
     logits = torch.randn(2, 3, 260, generator=gen(0))
     u = torch.rand(2, 3, generator=gen(1), dtype=torch.float64)
-    cand, conf = setdiff.draw_candidates(logits, 1e-30, 1.0, u)
+    cand, conf = setdiff.draw_candidates(logits, 1e-30, None, u)
     assert torch.equal(cand, logits.argmax(-1))
     assert torch.all(conf == 1)
 
@@ -1573,17 +1579,188 @@ def test_a_compiled_sampler_draws_the_eager_tokens(
     inputs = on_device({k: v[:rows] for k, v in inputs.items()}, device)
     kw = dict(window=window, threshold=threshold, temperature=temperature)
     eager = generate(model, **inputs, **kw, generator=gen(3))
+    graphs = dynamo_graphs()
     compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
+    assert dynamo_graphs() > graphs  # compiled, not eager against eager
     same_generation(compiled, eager)
 
 
-def test_the_cache_has_slots_for_the_longest_call_only(monkeypatch):
-    """Window 2, L = 24: the first call feeds the P = 17 given tokens (BOS + prompt) and 2
-    queries, a later one at most 2 + 2: max(P, w) + w slots beside the L positions."""
+def dynamo_graphs():
+    """Graphs dynamo compiled so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def dynamo_run(model, seed=0, **kw):
+    """A run compiled by dynamo alone (backend "eager": no code generation, fast on a CPU)."""
+    return generate(model, generator=gen(seed), compile="eager", **kw)
+
+
+SETS = dict(batch_size=2, window=3, threshold=0.3)  # sets of 1 to 3 tokens
+
+
+# a second run of the same switches: new values of every number a run takes, a new seed
+NEW_VALUES = dict(threshold=2.0, temperature=0.5, top_p=0.8, repetition_penalty=1.3)
+
+
+def test_a_compiled_run_compiles_a_graph_a_set_size():
+    """One graph for each set size that a later call feeds, read from an eager run's reveal
+    calls (the same draws): the largest set of a call is the next call's n."""
+    out = generate(tiny_model(), **SETS, generator=gen(0))
+    graphs = dynamo_graphs()
+    dynamo_run(tiny_model(), **SETS)
+    calls = torch.arange(out.calls)[:, None, None]
+    sets = (out.reveal_call == calls).sum(2).amax(1)  # (calls,)
+    assert dynamo_graphs() - graphs == len(set(sets[:-1].tolist())) > 1
+
+
+def test_a_second_run_of_the_same_switches_compiles_nothing():
+    """One token a call (tau > 1) in every run, so that each feeds the same set size."""
+    model = tiny_model()
+    first = dict(threshold=math.inf, temperature=1.0, top_p=0.9, repetition_penalty=1.1)
+    dynamo_run(model, **SETS | first)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        dynamo_run(model, seed=1, **SETS | NEW_VALUES)
+        dynamo_run(model, seed=2, **SETS | first)
+
+
+def state_addresses(model):
+    """data_ptr of every tensor of the model's sampler states, KV cache included."""
+    addresses = {}
+    for shape, run in setdiff.SAMPLER_RUNS[model].items():
+        for holder in (run, run.cache):
+            for name, t in vars(holder).items():
+                if torch.is_tensor(t):
+                    addresses[shape, name] = t.data_ptr()
+    return addresses
+
+
+def test_a_shapes_state_keeps_its_addresses_across_runs():
+    """Runs of one shape (B = 2, C = 24) with a new prompt, seed and settings each."""
+    model = tiny_model()
+    dynamo_run(model, prompt=[65, 66], **SETS)
+    addresses = state_addresses(model)
+    dynamo_run(model, seed=1, prompt=[67] * 9, **SETS | NEW_VALUES)
+    dynamo_run(model, seed=2, prompt=[68] * 4, **SETS, temperature=0)
+    assert state_addresses(model) == addresses
+    names = {name for _, name in addresses}
+    assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
+
+
+def test_a_compiled_call_asks_inductor_for_cuda_graphs_and_counts_its_own_graphs(monkeypatch):
+    """Inductor alone takes "reduce-overhead" (CUDA graphs); every compile keeps its own count
+    of graphs, up to the limit given (a CPU cannot capture: the arguments are the proof)."""
+    spy = mock.Mock()
+    monkeypatch.setattr(torch, "compile", spy)
+    for backend in ("inductor", "eager"):
+        setdiff.compiled(setdiff.sampler_call, backend, 12)
+    modes = [call.kwargs.get("mode") for call in spy.call_args_list]
+    assert modes == ["reduce-overhead", None]
+    for call in spy.call_args_list:
+        assert call.kwargs["isolate_recompiles"] and call.kwargs["recompile_limit"] == 12
+
+
+def test_a_runs_settings_are_its_numbers_exactly():
+    """tau, temperature, top-p and penalty as 0-d tensors: the same numbers as the floats."""
+    model = tiny_model(dtype=torch.float64)
+    kw = dict(threshold=0.3, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+    generate(model, **kw)
+    (run,) = setdiff.SAMPLER_RUNS[model].values()
+    settings = [run.threshold, run.temperature, run.top_p, run.penalty]
+    assert [t.item() for t in settings] == list(kw.values())
+
+
+def test_a_model_keeps_the_state_of_its_last_8_shapes():
+    """Batch sizes 1 to 9 (9 shapes): the first one's state goes, the others are kept."""
+    model = tiny_model()
+    for B in range(1, 10):
+        generate(model, batch_size=B, max_new_tokens=2)
+    kept = [shape[0] for shape in setdiff.SAMPLER_RUNS[model]]
+    assert kept == list(range(2, 10))
+
+
+VARIED = [(B, new, w) for B in (1, 3) for new in (6, 23) for w in (1, 2)]  # 4 shapes
+
+
+def test_200_varied_compiled_runs_draw_the_eager_tokens():
+    """One process, one model (one layer: dynamo traces it faster): batch sizes, lengths,
+    windows, tau, temperatures and top-p drawn; at most 4 shapes x 3 set sizes x greedy or not
+    graphs, compiled by the first runs."""
+    model = tiny_model(n_layer=1)
+    draw = random.Random(0)
+    for seed in range(200):
+        B, new, w = draw.choice(VARIED)
+        tau = draw.choice([0.0, 0.2, 0.5, math.inf])
+        kw = dict(batch_size=B, max_new_tokens=new, window=w, threshold=tau)
+        kw |= dict(temperature=draw.choice([0.0, 0.7, 1.0]), top_p=draw.uniform(0.5, 1))
+        eager = generate(model, generator=gen(seed), **kw)
+        same_generation(dynamo_run(model, seed, **kw), eager)
+
+
+def test_past_its_graph_limit_a_compiled_run_goes_eager_saying_so_once(monkeypatch, capsys):
+    """With no switch counted, window 2 allows 2 graphs: a greedy run of sets of 2, a sampled
+    one, then one with top-p needs a third: it and later runs run eager, said once."""
+    monkeypatch.setattr(setdiff, "SWITCHES", 0)
+    model = tiny_model()
+    runs = [dict(temperature=0.0), dict(temperature=1.0), dict(top_p=0.9)]
+    runs.append(dict(temperature=0.7, top_p=0.8))
+    for kw in runs:
+        kw |= dict(batch_size=2, window=2, threshold=0.0)
+        eager = generate(model, generator=gen(1), **kw)
+        same_generation(dynamo_run(model, 1, **kw), eager)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("--compile: dynamo's graph limit (2 a shape")
+
+
+@no_gpu
+def test_a_second_compiled_run_on_cuda_replays_every_call_and_records_nothing(monkeypatch):
+    """CUDA graphs (inductor's "reduce-overhead"), counted as gpu_check counts them: one token
+    a call, so one set size (n = 1), one graph recorded by run 1 (its call 2; call 1 warms up);
+    run 2, new draws, compiles and records none and replays every compiled call; no graph
+    skipped or split (cudagraph_or_error: a skip would raise)."""
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    model = tiny_model().to("cuda")
+    kw = dict(batch_size=2, window=3, threshold=math.inf, top_p=0.9, compile=True)
+    counts = gpu_check.graph_counts(functools.partial(generate, model, **kw))
+    assert counts["captures_run1"] == 1
+    assert counts["captures_run2"] == counts["graphs_run2"] == 0
+    assert counts["replays_run2"] == counts["calls_run2"] - 1  # the first call runs eager
+    for name in ("cudagraph_skips", "cudagraph_partitions"):
+        assert counts[f"{name}_run1"] == counts[f"{name}_run2"] == 0
+
+
+def fed_sizes(monkeypatch):
+    """-> the list that every later predict() appends its n (new tokens fed) to."""
+    fed = []
+    predict = setdiff.predict
+
+    def spy(model, x, new, queries, cache=None):
+        fed.append(new[0].shape[1])
+        return predict(model, x, new, queries, cache)
+
+    monkeypatch.setattr(setdiff, "predict", spy)
+    return fed
+
+
+@table("threshold", {"tau-0.3": 0.3, "tau-0": 0.0, "one-a-call": math.inf})
+def test_every_call_after_the_first_feeds_the_last_calls_set(threshold, monkeypatch):
+    """n of call c = the most tokens a row revealed in call c - 1, not the window: the set
+    sizes read from the reveal calls; the first call feeds the given tokens (BOS + 2)."""
+    fed = fed_sizes(monkeypatch)
+    out = generate(tiny_model(), prompt=[65, 66], batch_size=3, window=4, threshold=threshold)
+    calls = torch.arange(out.calls)[:, None, None]
+    sets = (out.reveal_call == calls).sum(2).amax(1)  # (calls,): the largest row's set
+    assert fed == [3] + sets[:-1].tolist()
+
+
+def test_the_cache_has_slots_for_the_longest_call_of_its_shape(monkeypatch):
+    """L = 24, so C = 24: a first call may feed up to 23 given tokens and a later one 6 + 6 at
+    the largest window (6 here), so every run of the shape fits C + 6 slots beside the C."""
     spy = mock.Mock(wraps=setdiff.KVCache)
     monkeypatch.setattr(setdiff, "KVCache", spy)
-    generate(tiny_model(), prompt=[65] * 16, window=2)
-    assert spy.call_args.args[3] == 19  # max_call = max(17, 2) + 2
+    model = tiny_model()
+    generate(model, prompt=[65] * 22, window=6)  # 23 given tokens, then 6 queries
+    assert setdiff.max_window(model.cfg) == 6
+    assert spy.call_args.args[3] == 24 + 6
 
 
 def biased_model(logits):
@@ -5488,6 +5665,35 @@ def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
     assert all(row["tokens_per_s"] > 0 for row in sampler)
     compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
     assert len(compiled) == 6 and all(row["compile_s"] > 0 for row in compiled)
+
+
+def test_gpu_check_dry_run_counts_what_two_compiled_runs_compile_and_record(gpu_check_rows):
+    """The CPU's share of the GPU's rows: graphs compiled by the first run only (a graph a set
+    size, so at least one), none recorded as a CUDA graph, the same calls in both runs."""
+    sampler = gpu_check_rows["sampler"]
+    compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
+    for row in compiled:
+        assert row["graphs_run1"] >= 1 and row["graphs_run2"] == 0
+        assert row["captures_run1"] == row["captures_run2"] == row["replays_run2"] == 0
+        assert row["cudagraph_skips_run2"] == row["cudagraph_partitions_run2"] == 0
+        assert row["calls_run1"] == row["calls_run2"] > 1
+
+
+def profiled(key, device_type, seconds, annotation=False):
+    """A profiler event as key_averages() gives it, with its own time on the host and device."""
+    micro = seconds * 1e6
+    kind = getattr(torch.autograd.DeviceType, device_type)
+    times = dict(self_cpu_time_total=micro, self_device_time_total=micro)
+    return types.SimpleNamespace(key=key, device_type=kind, is_user_annotation=annotation, **times)
+
+
+def test_gpu_check_counts_each_kernel_once():
+    """A GPU's profile: an operator (its device time is its kernel's), the kernel, and a user
+    annotation around them: only the kernel's 2 ms, as on the device's timeline."""
+    events = [profiled("aten::mm", "CPU", 0.002), profiled("gemm_kernel", "CUDA", 0.002)]
+    events.append(profiled("## forward ##", "CUDA", 0.003, annotation=True))
+    assert gpu_check.busy_seconds(events, cuda=True) == {"gemm_kernel": 0.002}
+    assert sum(gpu_check.busy_seconds(events, cuda=False).values()) == 0.007  # the CPU's own
 
 
 def test_gpu_check_dry_run_profiles_the_compiled_step(gpu_check_rows):

@@ -6,6 +6,7 @@ batch size, greedy with and without the cache, then every threshold with the win
 
 import argparse
 import copy
+import functools
 import shlex
 import statistics
 import sys
@@ -66,7 +67,7 @@ def plain_decoder(
         for t in (rows, last, u):
             torch._dynamo.mark_static_address(t)
         backend = "inductor" if compile is True else compile
-        step = setdiff.compiled(plain_call, backend)
+        step = compiled_plain_call(backend)
     for _ in range(new_tokens - 1):  # the token at position p is stored at slot p
         step(model, rows, cache, last, u, sampling)
     setdiff.synchronize(device)
@@ -78,6 +79,12 @@ def plain_decoder(
     return setdiff.Generation(rows, reveal_call, new_tokens, row_calls, seconds)
 
 
+@functools.cache  # one compile a process: its graphs serve every later run
+def compiled_plain_call(backend):
+    """plain_call compiled: a graph per batch size and row length, at most 64."""
+    return setdiff.compiled(plain_call, backend, 64)
+
+
 def plain_call(model, rows, cache, last, u, sampling, positions=None):
     """One causal call of the tokens of rows (B, T) at `positions` (B, n) (None: at `last`),
     the last at `last` (B, 1): the token after it is drawn and written, and `last` moves on."""
@@ -87,8 +94,12 @@ def plain_call(model, rows, cache, last, u, sampling, positions=None):
     attn = causal_mask(cache, tokens.shape[1])
     logits = model(tokens, positions, attn, cache, queries=1)  # (B, 1, V): the last token's
     cache.store(positions, positions >= 0)  # every token of the call
-    draws = u[last[0]][0]  # (B, 1); a tensor index: no host read
     temperature, top_p = sampling
+    draws = None  # greedy
+    if temperature > 0:
+        draws = u[last[0]][0]  # (B, 1); a tensor index: no host read
+    if top_p == 1:
+        top_p = None  # not truncated
     token, _ = setdiff.draw_candidates(logits, temperature, top_p, draws)  # (B, 1)
     last += 1
     rows.scatter_(1, last, token)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -204,14 +205,27 @@ def kernel_profile(work, cuda, seconds, top=8) -> dict:
         kinds.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=kinds) as prof:
         work(-1)
-    busy = {}
-    for event in prof.key_averages():
-        own = event.self_device_time_total if cuda else event.self_cpu_time_total
-        busy[event.key] = own / 1e6  # seconds
+    busy = busy_seconds(prof.key_averages(), cuda)
     total = sum(busy.values())
     names = sorted(busy, key=busy.get, reverse=True)[:top]
     shares = {name: busy[name] / total for name in names}
     return dict(kernel_s=total, host_s=seconds - total, top_kernels=shares)
+
+
+def busy_seconds(events, cuda) -> dict:
+    """Seconds by name, each kernel once: on a GPU the device's kernels only (not the operator
+    that launched one, whose device time is its kernels', nor a user annotation spanning
+    them); on the CPU each operator's own time."""
+    busy = {}
+    for event in events:
+        on_device = event.device_type != torch.autograd.DeviceType.CPU
+        own = event.self_cpu_time_total
+        if cuda:
+            own = event.self_device_time_total
+        if cuda and (event.is_user_annotation or not on_device):
+            continue
+        busy[event.key] = own / 1e6  # seconds
+    return busy
 
 
 def loader_speed(folder, args, cfg, device, n, repeats):
@@ -268,7 +282,12 @@ def sampler_speed(cfg, device, dtype, sizes, repeats, backend) -> list:
         options = dict(window=WINDOW, threshold=tau, compile=compile)
         samplers[f"w={WINDOW}, tau={tau:g}"] = options
     plain = dict(temperature=1.0, top_p=1.0, compile=compile)  # generate's defaults
+    counts = {}
     with setdiff.autocast(device, dtype):
+        for B in sizes:  # compiled: what two runs each compile, record and replay
+            for name in [bench.PLAIN, *samplers] if compile else []:
+                work = functools.partial(bench.sample, model, name, B, samplers, plain)
+                counts[name, B] = graph_counts(work)
         timings = bench.timed_rounds(model, samplers, sizes, repeats, plain)
     how = f"compiled ({backend})" if compile else "eager"
     hbm = peak_flops(device_name(device), HBM_BYTES)
@@ -279,8 +298,47 @@ def sampler_speed(cfg, device, dtype, sizes, repeats, backend) -> list:
         bound = B * per_call * hbm / call_bytes  # tokens/s if a call took its reads' time
         row = dict(part="sampler", variant=f"{how} {name}, batch {B}", tokens_per_s=speed)
         row |= dict(of_bandwidth_bound=speed / bound, tokens_per_call=per_call)
-        rows.append(row | dict(spread=spread, compile_s=warmup if compile else 0.0))
+        row |= dict(spread=spread, compile_s=warmup if compile else 0.0)
+        rows.append(row | counts.get((name, B), {}))
     return rows
+
+
+def graph_counts(work) -> dict:
+    """work() run twice -> each run's graphs dynamo compiled, CUDA graphs captured (recorded)
+    and replayed, inductor's cudagraph skips and partitions (a graph run without CUDA graphs,
+    or split around an op that cannot be captured), and its network calls. A static engine's
+    second run compiles and records nothing, and replays each compiled call. compile_s: the
+    first run's seconds beyond the second's."""
+    counts = {}
+    seconds = []
+    for run in (1, 2):
+        before = dynamo_counts()
+        with counted("capture_begin") as captures, counted("replay") as replays:
+            out = work()
+        seconds.append(out.seconds)
+        for name, count in dynamo_counts().items():
+            counts[f"{name}_run{run}"] = count - before[name]
+        counts[f"captures_run{run}"] = captures.call_count
+        counts[f"replays_run{run}"] = replays.call_count
+        counts[f"calls_run{run}"] = out.calls
+    return counts | dict(compile_s=seconds[0] - seconds[1])  # the first run's compiles
+
+
+def counted(name):
+    """torch.cuda.CUDAGraph's method `name`, counted (a mock's call_count) as it runs."""
+    graph = torch.cuda.CUDAGraph
+    method = getattr(graph, name)
+    return mock.patch.object(graph, name, autospec=True, side_effect=method)
+
+
+def dynamo_counts() -> dict:
+    """Graphs dynamo compiled, and inductor's cudagraph skips and partitions, so far."""
+    counters = torch._dynamo.utils.counters
+    inductor = counters["inductor"]
+    counts = dict(graphs=counters["stats"]["unique_graphs"])
+    counts["cudagraph_skips"] = inductor["cudagraph_skips"]
+    counts["cudagraph_partitions"] = inductor["cudagraph_partitions"]
+    return counts
 
 
 def bytes_a_call(model, batch_size, dtype) -> int:
