@@ -288,13 +288,15 @@ def test_a_policy_whose_sampler_key_is_not_an_order_is_refused(monkeypatch, key)
         add_policy(monkeypatch, sampler_key=key)
 
 
+R2L = list(range(23, 0, -1))  # the made-up policy's order after position 0
+
+
 def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
     """The loss of one entry's policy is its chain rule right to left, slot 0 (predicted from
     nothing) included, by one-query forwards."""
     model = add_policy(monkeypatch)
     x = random_rows(model.cfg, 2, seed=3)
-    r2l = [0, *range(23, 0, -1)]
-    chains = [chain_nll(model, row, [], r2l) / 24 for row in x]
+    chains = [chain_nll(model, row, [], [0, *R2L]) / 24 for row in x]
     loss = setdiff.set_factorized_loss(model, x, generator=gen(0))
     assert math.isclose(loss.item(), sum(chains) / 2, rel_tol=1e-5)
 
@@ -302,7 +304,7 @@ def test_a_new_policy_trains_on_its_own_orders(monkeypatch):
 def test_a_new_policy_is_scored_in_its_own_order(monkeypatch):
     model = add_policy(monkeypatch)
     x = random_rows(model.cfg, 2, seed=3)
-    chains = [chain_nll(model, row, [0], list(range(23, 0, -1))) for row in x]
+    chains = [chain_nll(model, row, [0], R2L) for row in x]
     bound = setdiff.elbo(model, x, generator=gen(0))
     assert math.isclose(bound.nll, sum(chains), rel_tol=1e-5)
 
@@ -568,7 +570,8 @@ def farthest_reveal(sched, n):
     """Replaying n orders: the farthest revealed token beyond the leftmost unrevealed one."""
     L = sched.L
     worst = 0
-    for order in torch.argsort(-sched.first_hitting_times(n, gen(2)), 1).tolist():
+    times = sched.first_hitting_times(n, gen(2))
+    for order in torch.argsort(-times, 1).tolist():
         revealed = [False] * L
         f = 0
         for p in order:
@@ -654,7 +657,8 @@ def test_permuting_the_slots_permutes_the_logits():
     model, tokens, positions, attn = random_call()
     p = torch.randperm(10, generator=gen(1))
     z = model(tokens, positions, attn)
-    permuted = model(tokens[:, p], positions[:, p], attn[:, p][:, :, p])
+    attn_p = attn[:, p][:, :, p]  # its rows and its columns permuted
+    permuted = model(tokens[:, p], positions[:, p], attn_p)
     assert torch.allclose(permuted, z[:, p], atol=1e-4)
 
 
@@ -797,7 +801,8 @@ def test_ar_bound_and_perplexity_are_the_left_to_right_nll():
 
 def by_hand_bound():
     """3 ln 2 nats a token over 10 tokens: perplexity 8; 30 bits over 15 bytes: 2 bits/byte."""
-    return setdiff.Elbo(30 * math.log(2), 10, 2, 3, 0.05, 3 * math.log(2), 8.0)
+    ln2 = math.log(2)
+    return setdiff.Elbo(30 * ln2, 10, 2, 3, 0.05, 3 * ln2, 8.0)
 
 
 def test_bound_metrics_by_hand():
@@ -828,7 +833,8 @@ def test_bound_line_prints_the_metrics(part):
 def test_a_bound_of_one_row_says_it_has_no_standard_error():
     """A spread across rows needs two: the line says so, rather than "+- nan"."""
     model = tiny_model()
-    line = elbo(model, random_rows(model.cfg, 1), generator=gen(0)).line(10)
+    one_row = random_rows(model.cfg, 1)
+    line = elbo(model, one_row, generator=gen(0)).line(10)
     assert " nats/token, no standard error from one row, " in line
     assert "nan" not in line
 
@@ -1000,7 +1006,8 @@ def draws(temperature, top_p):
 @table("temperature,top_p,freq,conf", DRAWS)
 def test_draws_follow_the_tempered_top_p_distribution(temperature, top_p, freq, conf):
     cand, _ = draws(temperature, top_p)
-    seen = torch.bincount(cand.flatten(), minlength=4).double() / cand.numel()
+    counts = torch.bincount(cand.flatten(), minlength=4)
+    seen = counts.double() / cand.numel()
     want = torch.as_tensor(freq, dtype=torch.float64)
     assert torch.equal(seen > 0, want > 0)  # top-p: {0, 1} as 0.5 < 0.7 <= 0.8
     assert torch.allclose(seen, want, atol=0.02)
@@ -1050,21 +1057,28 @@ def brute_commit(conf, valid, threshold):
         for j in range(len(c)):
             if ok[j] and (best is None or c[j] > c[best]):
                 best = j
-        rows.append([ok[j] and (c[j] >= threshold or j == best) for j in range(len(c))])
+        chosen = [ok[j] and (c[j] >= threshold or j == best) for j in range(len(c))]
+        rows.append(chosen)
     return rows
 
 
+def random_conf(seed, shape=(6, 5)):
+    """Confidences uniform in [0, 1), B rows of m queries."""
+    return torch.rand(shape, generator=gen(seed))
+
+
+FIRST_INVALID = [[False, True, True]]  # a row's valid queries: all but the first
 COMMITS = {  # confidences (B, m), valid queries (None: all), tau
-    "random-tau-above-1": (torch.rand(6, 5, generator=gen(0)), None, 1.5),
-    "random-tau-0.5": (torch.rand(6, 5, generator=gen(1)), None, 0.5),
-    "random-some-invalid": (torch.rand(6, 5, generator=gen(2)), "random", 0.6),
+    "random-tau-above-1": (random_conf(0), None, 1.5),
+    "random-tau-0.5": (random_conf(1), None, 0.5),
+    "random-some-invalid": (random_conf(2), "random", 0.6),
     "tie-at-the-top": (torch.tensor([[0.2, 0.4, 0.1, 0.4]]), None, 1.5),
     "all-tied": (torch.full((2, 4), 0.25), None, 0.5),
     "tau-met-exactly": (torch.tensor([[0.3, 0.5, 0.2]]), None, 0.3),
-    "best-is-invalid": (torch.tensor([[0.9, 0.2, 0.3]]), [[False, True, True]], 1.5),
+    "best-is-invalid": (torch.tensor([[0.9, 0.2, 0.3]]), FIRST_INVALID, 1.5),
     "row-without-queries": (torch.tensor([[0.9, 0.2], [0.1, 0.8]]), [[0, 0], [1, 1]], 1.5),
-    "tau-0": (torch.rand(3, 4, generator=gen(3)), None, 0.0),
-    "zero-confidence": (torch.tensor([[0.5, 0.0, 0.0]]), [[False, True, True]], 1.5),
+    "tau-0": (random_conf(3, (3, 4)), None, 0.0),
+    "zero-confidence": (torch.tensor([[0.5, 0.0, 0.0]]), FIRST_INVALID, 1.5),
 }
 
 
@@ -1595,6 +1609,12 @@ def dynamo_run(model, seed=0, **kw):
     return generate(model, generator=gen(seed), compile="eager", **kw)
 
 
+def largest_sets(out):
+    """The most tokens a row revealed in each call of out, read from its reveal calls."""
+    calls = torch.arange(out.calls)[:, None, None]
+    return (out.reveal_call == calls).sum(2).amax(1)  # (calls,)
+
+
 SETS = dict(batch_size=2, window=3, threshold=0.3)  # sets of 1 to 3 tokens
 
 
@@ -1608,8 +1628,7 @@ def test_a_compiled_run_compiles_a_graph_a_set_size():
     out = generate(tiny_model(), **SETS, generator=gen(0))
     graphs = dynamo_graphs()
     dynamo_run(tiny_model(), **SETS)
-    calls = torch.arange(out.calls)[:, None, None]
-    sets = (out.reveal_call == calls).sum(2).amax(1)  # (calls,)
+    sets = largest_sets(out)
     assert dynamo_graphs() - graphs == len(set(sets[:-1].tolist())) > 1
 
 
@@ -1747,8 +1766,7 @@ def test_every_call_after_the_first_feeds_the_last_calls_set(threshold, monkeypa
     sizes read from the reveal calls; the first call feeds the given tokens (BOS + 2)."""
     fed = fed_sizes(monkeypatch)
     out = generate(tiny_model(), prompt=[65, 66], batch_size=3, window=4, threshold=threshold)
-    calls = torch.arange(out.calls)[:, None, None]
-    sets = (out.reveal_call == calls).sum(2).amax(1)  # (calls,): the largest row's set
+    sets = largest_sets(out)
     assert fed == [3] + sets[:-1].tolist()
 
 
@@ -2059,23 +2077,27 @@ def test_load_refuses_a_bad_checkpoint(tmp_path, name):
     ckpt = load_checkpoint(path)[2]
     half = len(good) // 2
     (tmp_path / "cut.pt").write_bytes(good[:half])
-    damaged = good[:half] + random.Random(0).randbytes(4096) + good[half + 4096 :]
+    noise = random.Random(0).randbytes(4096)
+    damaged = good[:half] + noise + good[half + 4096 :]
     (tmp_path / "damaged.pt").write_bytes(damaged)
     (tmp_path / "junk.pt").write_bytes(b"hello")
     torch.save(ckpt["model"], tmp_path / "weights-only.pt")  # a plain state dict
     torch.save(ckpt | {"format": "setdiff-checkpoint-3"}, tmp_path / "older.pt")
     edited = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] + 1}
     torch.save(ckpt | {"model": edited}, tmp_path / "edited.pt")  # the old digest kept
-    newer = ckpt["config"] | {"flash": True}
-    setdiff.write_checkpoint(tmp_path / "newer.pt", ckpt | {"config": newer})
+
+    def rewritten(name, **fields):
+        """ckpt with fields changed, written with a new digest -> its path."""
+        setdiff.write_checkpoint(tmp_path / name, ckpt | fields)
+        return tmp_path / name
+
+    rewritten("newer.pt", config=ckpt["config"] | {"flash": True})
     weights = ckpt["model"] | {"head.bias": ckpt["model"]["head.bias"] / 0}
-    setdiff.write_checkpoint(tmp_path / "non-finite.pt", ckpt | {"model": weights})
+    rewritten("non-finite.pt", model=weights)
     setdiff.write_checkpoint(tmp_path / "no-model.pt", set_field(ckpt.copy(), ["model"], DELETE))
-    setdiff.write_checkpoint(tmp_path / "model-a-list.pt", ckpt | {"model": [1.0]})
-    numbers = dict.fromkeys(ckpt["model"], 1.0)
-    setdiff.write_checkpoint(tmp_path / "model-of-numbers.pt", ckpt | {"model": numbers})
-    words = tmp_path / "edited-vocab.pt"
-    setdiff.write_checkpoint(words, ckpt | {"tokenizer": WORDPIECE.spec()})
+    rewritten("model-a-list.pt", model=[1.0])
+    rewritten("model-of-numbers.pt", model=dict.fromkeys(ckpt["model"], 1.0))
+    words = rewritten("edited-vocab.pt", tokenizer=WORDPIECE.spec())
     signed = torch.load(words, weights_only=True)  # its digest kept below
     vocab = signed["tokenizer"]["vocab"]
     vocab[5], vocab[6] = vocab[6], vocab[5]  # other ids for two words
@@ -2292,7 +2314,8 @@ def write_safetensors(path, tensors):
     for name, t in tensors.items():
         blob = t.contiguous().numpy().tobytes()
         end = offset + len(blob)
-        header[name] = dict(dtype=names[t.dtype], shape=list(t.shape), data_offsets=[offset, end])
+        offsets = [offset, end]
+        header[name] = dict(dtype=names[t.dtype], shape=list(t.shape), data_offsets=offsets)
         blobs.append(blob)
         offset = end
     write_header(path, header, b"".join(blobs))
@@ -2368,7 +2391,8 @@ def test_a_released_bound_drops_slot_0_as_the_authors_do(released):
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 3, gen(1)), 4)
     res = elbo(model, x, generator=gen(1))
     assert res.tokens_scored == 3 * 15  # the [CLS] ending a sentence is a target, slot 0 not
-    assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
+    scored = want[:, 1:].sum().item()
+    assert res.nll == pytest.approx(scored, abs=1e-3)
 
 
 @table(
@@ -2550,7 +2574,8 @@ def test_load_refuses_a_malformed_config_json(exported, keys, value, match):
     load_refused(exported[1], match)
 
 
-REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf, 0, -1, -(10**9), 10**12, 10**30]
+REPLACEMENTS = [DELETE, "x", [], {}, None, True, 2.5, math.inf]
+REPLACEMENTS += [0, -1, -(10**9), 10**12, 10**30]  # integers past any sensible field
 REPLACEMENTS += [NESTED]  # in a checkpoint (not JSON), a plain string
 SIZES = [0, 1, 7, 2**31, 2**63, 10**30]  # a shape's: beside a 0, any size gives 0 bytes
 
@@ -3131,7 +3156,8 @@ def test_an_owt_bound_matches_the_authors_forward(owt_folder):
     want = authors_nll(sd, 2, x, sample_order(model.cfg, 2, gen(4)), 19)
     res = elbo(model, x, generator=gen(4))
     assert res.tokens_scored == 2 * 15
-    assert res.nll == pytest.approx(want[:, 1:].sum().item(), abs=1e-3)
+    scored = want[:, 1:].sum().item()  # slot 0 (BOS) is given, not scored
+    assert res.nll == pytest.approx(scored, abs=1e-3)
 
 
 def test_bpe_reads_crlf_merges(bpe, tmp_path):
@@ -3296,6 +3322,7 @@ B_, E_ = 1000, 1001  # BOS and EOS of the wrap_rows cases
 SENTENCES = [1, 2, E_, 3, 4, 5, E_, 6, E_, 7, 8, 9, 10, E_]  # each + EOS ($)
 WRAPPED = [[B_, 1, 2, E_, 3, E_], [B_, 4, 5, E_, 6, E_], [B_, E_, 7, 8, 9, E_]]  # 12$3 45$6 $789
 CLS_ROWS = [[101, 5, 6, 101], [101, 101, 7, 101], [101, 101, 8, 101]]  # 5 6 | $ 7 | $ 8
+PLAIN_ROWS = [[1, 2, 3], [4, 5, 6]]  # no BOS, no EOS: chunks of L
 
 
 @table(
@@ -3304,7 +3331,7 @@ CLS_ROWS = [[101, 5, 6, 101], [101, 101, 7, 101], [101, 101, 8, 101]]  # 5 6 | $
         "bos-chunk-eos": (SENTENCES, 6, B_, E_, WRAPPED, [10, E_]),  # chunks of L - 2 = 4
         "short-stream": ([1, 2], 6, B_, E_, [], [1, 2]),
         "cls-as-bos-and-eos": ([5, 6, 101, 7, 101, 8], 4, 101, 101, CLS_ROWS, []),
-        "no-bos-plain-chunks": ([1, 2, 3, 4, 5, 6, 7], 3, None, 9, [[1, 2, 3], [4, 5, 6]], [7]),
+        "no-bos-plain-chunks": ([1, 2, 3, 4, 5, 6, 7], 3, None, 9, PLAIN_ROWS, [7]),
     },
 )
 def test_wrap_rows(stream, seq_len, bos, eos, rows, left):
@@ -5154,9 +5181,11 @@ def test_plot_draws_the_figures_or_says_what_it_needs(plot_inputs, tmp_path, cap
 def test_plot_decode_orders_of_an_ar_model_run_left_to_right(plot_inputs):
     """ar: the training order puts position i in slot i, and a greedy sample reveals it at
     call i - 1 (position 0, BOS, is given)."""
-    ((training, sample),) = plot.decode_orders(plot_inputs[-1:], first=9).values()
+    orders = plot.decode_orders(plot_inputs[-1:], first=9)
+    ((training, sample),) = orders.values()
     assert [t.tolist() for t in training] == [list(range(9))] * 2  # (slots, positions)
-    assert [t.tolist() for t in sample] == [list(range(8)), list(range(1, 9))]  # (calls, ...)
+    revealed = [t.tolist() for t in sample]  # (calls, positions)
+    assert revealed == [list(range(8)), list(range(1, 9))]
 
 
 def test_plot_refuses_other_files(tmp_path, capsys):
@@ -5267,7 +5296,8 @@ def text_stats():
 
 def test_judge_nll_is_the_ar_bound_of_the_text(text_stats):
     judge, x, got = text_stats
-    nll = position_nll(judge, x, torch.arange(L)[None])[0, 1:].mean()  # no BOS
+    left_to_right = torch.arange(L)[None]
+    nll = position_nll(judge, x, left_to_right)[0, 1:].mean()  # no BOS
     assert got["judge_nll"] == pytest.approx(nll.item(), rel=1e-5)
 
 
@@ -5656,6 +5686,12 @@ def test_gpu_check_dry_run_times_the_training_step_eager_and_compiled(gpu_check_
         assert row["tokens_per_s"] > 0
 
 
+def compiled_rows(gpu_check_rows):
+    """The sampler rows of gpu_check's compiled variants."""
+    sampler = gpu_check_rows["sampler"]
+    return [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
+
+
 def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
     loader = gpu_check_rows["loader"]
     assert [row["variant"] for row in loader] == ["rows", "orders"]
@@ -5663,16 +5699,14 @@ def test_gpu_check_dry_run_times_the_loader_and_the_samplers(gpu_check_rows):
     sampler = gpu_check_rows["sampler"]
     assert len(sampler) == 2 * 3 * 2  # eager, compiled x plain, tau > 1, tau 0.1 x batch 1, 4
     assert all(row["tokens_per_s"] > 0 for row in sampler)
-    compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
+    compiled = compiled_rows(gpu_check_rows)
     assert len(compiled) == 6 and all(row["compile_s"] > 0 for row in compiled)
 
 
 def test_gpu_check_dry_run_counts_what_two_compiled_runs_compile_and_record(gpu_check_rows):
     """The CPU's share of the GPU's rows: graphs compiled by the first run only (a graph a set
     size, so at least one), none recorded as a CUDA graph, the same calls in both runs."""
-    sampler = gpu_check_rows["sampler"]
-    compiled = [row for row in sampler if row["variant"].startswith("compiled (eager) ")]
-    for row in compiled:
+    for row in compiled_rows(gpu_check_rows):
         assert row["graphs_run1"] >= 1 and row["graphs_run2"] == 0
         assert row["captures_run1"] == row["captures_run2"] == row["replays_run2"] == 0
         assert row["cudagraph_skips_run2"] == row["cudagraph_partitions_run2"] == 0
