@@ -10,8 +10,6 @@ import pytest
 
 # The first banner after the method's sections, in test_setdiff.py
 CHECKPOINTS = "# ---- checkpoints"
-# NOTE: left out: a torch.compile capture takes 10-30 s on a CPU (the full suite runs them)
-SLOW = ("test_a_compiled_sampler_draws_the_eager_tokens",)
 
 
 def method_end() -> int:
@@ -22,11 +20,12 @@ def method_end() -> int:
 
 
 def pytest_collection_modifyitems(items):
-    """Marks `method` every test defined before the checkpoint tests, the slow ones aside."""
+    """Marks `method` every test defined before the checkpoint tests. (The compiled sampler's
+    tests stand after them, as compiling stands after the method in setdiff.py: a torch.compile
+    capture takes 10-30 s on a CPU.)"""
     end = method_end()
     for item in items:
-        path, line, name = item.location  # line: the test's def, 0-based
+        path, line, _ = item.location  # line: the test's def, 0-based
         ours = Path(path).name == "test_setdiff.py"
-        slow = name.startswith(SLOW)
-        if ours and line < end and not slow:
+        if ours and line < end:
             item.add_marker(pytest.mark.method)

@@ -1574,177 +1574,10 @@ def test_every_call_reveals_a_token_in_every_row():
         assert {c for c in row if c >= 0} == set(range(n))
 
 
-# torch.compile with inductor costs 15-30 s a capture on a CPU: two cases (three captures)
-# cover greedy and sampled, prompt and infill, one row and three, sets of one and of two.
-COMPILED = {  # temperature, start, rows, window, tau
-    "greedy-prompt-batch-1": (0.0, "prompt", 1, 3, math.inf),
-    "sampled-infill-batch-3-w2-tau-0.3": (1.0, "infill", 3, 2, 0.3),
-}
-
-
-@on_devices
-@table("temperature,start,rows,window,threshold", COMPILED)
-def test_a_compiled_sampler_draws_the_eager_tokens(
-    temperature, start, rows, window, threshold, device
-):
-    """On a GPU too: there each compiled call is a CUDA graph, replayed."""
-    model = tiny_model().to(device)
-    inputs, _, _ = start_rows(model.cfg, start)
-    inputs = on_device({k: v[:rows] for k, v in inputs.items()}, device)
-    kw = dict(window=window, threshold=threshold, temperature=temperature)
-    eager = generate(model, **inputs, **kw, generator=gen(3))
-    graphs = dynamo_graphs()
-    compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
-    assert dynamo_graphs() > graphs  # compiled, not eager against eager
-    same_generation(compiled, eager)
-
-
-def dynamo_graphs():
-    """Graphs dynamo compiled so far in this process."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def dynamo_run(model, seed=0, **kw):
-    """A run compiled by dynamo alone (backend "eager": no code generation, fast on a CPU)."""
-    return generate(model, generator=gen(seed), compile="eager", **kw)
-
-
 def largest_sets(out):
     """The most tokens a row revealed in each call of out, read from its reveal calls."""
     calls = torch.arange(out.calls)[:, None, None]
     return (out.reveal_call == calls).sum(2).amax(1)  # (calls,)
-
-
-SETS = dict(batch_size=2, window=3, threshold=0.3)  # sets of 1 to 3 tokens
-
-
-# a second run of the same switches: new values of every number a run takes, a new seed
-NEW_VALUES = dict(threshold=2.0, temperature=0.5, top_p=0.8, repetition_penalty=1.3)
-
-
-def test_a_compiled_run_compiles_a_graph_a_set_size():
-    """One graph for each set size that a later call feeds, read from an eager run's reveal
-    calls (the same draws): the largest set of a call is the next call's n."""
-    out = generate(tiny_model(), **SETS, generator=gen(0))
-    graphs = dynamo_graphs()
-    dynamo_run(tiny_model(), **SETS)
-    sets = largest_sets(out)
-    assert dynamo_graphs() - graphs == len(set(sets[:-1].tolist())) > 1
-
-
-def test_a_second_run_of_the_same_switches_compiles_nothing():
-    """One token a call (tau > 1) in every run, so that each feeds the same set size."""
-    model = tiny_model()
-    first = dict(threshold=math.inf, temperature=1.0, top_p=0.9, repetition_penalty=1.1)
-    dynamo_run(model, **SETS | first)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        dynamo_run(model, seed=1, **SETS | NEW_VALUES)
-        dynamo_run(model, seed=2, **SETS | first)
-
-
-def state_addresses(model):
-    """data_ptr of every tensor of the model's sampler states, KV cache included."""
-    addresses = {}
-    for shape, run in setdiff.SAMPLER_RUNS[model].items():
-        for holder in (run, run.cache):
-            for name, t in vars(holder).items():
-                if torch.is_tensor(t):
-                    addresses[shape, name] = t.data_ptr()
-    return addresses
-
-
-def test_a_shapes_state_keeps_its_addresses_across_runs():
-    """Runs of one shape (B = 2, C = 24) with a new prompt, seed and settings each."""
-    model = tiny_model()
-    dynamo_run(model, prompt=[65, 66], **SETS)
-    addresses = state_addresses(model)
-    dynamo_run(model, seed=1, prompt=[67] * 9, **SETS | NEW_VALUES)
-    dynamo_run(model, seed=2, prompt=[68] * 4, **SETS, temperature=0)
-    assert state_addresses(model) == addresses
-    names = {name for _, name in addresses}
-    assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
-
-
-def test_a_compiled_call_asks_inductor_for_cuda_graphs_and_counts_its_own_graphs(monkeypatch):
-    """Inductor alone takes "reduce-overhead" (CUDA graphs); every compile keeps its own count
-    of graphs, up to the limit given (a CPU cannot capture: the arguments are the proof)."""
-    spy = mock.Mock()
-    monkeypatch.setattr(torch, "compile", spy)
-    for backend in ("inductor", "eager"):
-        setdiff.compiled(setdiff.sampler_call, backend, 12)
-    modes = [call.kwargs.get("mode") for call in spy.call_args_list]
-    assert modes == ["reduce-overhead", None]
-    for call in spy.call_args_list:
-        assert call.kwargs["isolate_recompiles"] and call.kwargs["recompile_limit"] == 12
-
-
-def test_a_runs_settings_are_its_numbers_exactly():
-    """tau, temperature, top-p and penalty as 0-d tensors: the same numbers as the floats."""
-    model = tiny_model(dtype=torch.float64)
-    kw = dict(threshold=0.3, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
-    generate(model, **kw)
-    (run,) = setdiff.SAMPLER_RUNS[model].values()
-    settings = [run.threshold, run.temperature, run.top_p, run.penalty]
-    assert [t.item() for t in settings] == list(kw.values())
-
-
-def test_a_model_keeps_the_state_of_its_last_8_shapes():
-    """Batch sizes 1 to 9 (9 shapes): the first one's state goes, the others are kept."""
-    model = tiny_model()
-    for B in range(1, 10):
-        generate(model, batch_size=B, max_new_tokens=2)
-    kept = [shape[0] for shape in setdiff.SAMPLER_RUNS[model]]
-    assert kept == list(range(2, 10))
-
-
-VARIED = [(B, new, w) for B in (1, 3) for new in (6, 23) for w in (1, 2)]  # 4 shapes
-
-
-def test_200_varied_compiled_runs_draw_the_eager_tokens():
-    """One process, one model (one layer: dynamo traces it faster): batch sizes, lengths,
-    windows, tau, temperatures and top-p drawn; at most 4 shapes x 3 set sizes x greedy or not
-    graphs, compiled by the first runs."""
-    model = tiny_model(n_layer=1)
-    draw = random.Random(0)
-    for seed in range(200):
-        B, new, w = draw.choice(VARIED)
-        tau = draw.choice([0.0, 0.2, 0.5, math.inf])
-        kw = dict(batch_size=B, max_new_tokens=new, window=w, threshold=tau)
-        kw |= dict(temperature=draw.choice([0.0, 0.7, 1.0]), top_p=draw.uniform(0.5, 1))
-        eager = generate(model, generator=gen(seed), **kw)
-        same_generation(dynamo_run(model, seed, **kw), eager)
-
-
-def test_past_its_graph_limit_a_compiled_run_goes_eager_saying_so_once(monkeypatch, capsys):
-    """With no switch counted, window 2 allows 2 graphs: a greedy run of sets of 2, a sampled
-    one, then one with top-p needs a third: it and later runs run eager, said once."""
-    monkeypatch.setattr(setdiff, "SWITCHES", 0)
-    model = tiny_model()
-    runs = [dict(temperature=0.0), dict(temperature=1.0), dict(top_p=0.9)]
-    runs.append(dict(temperature=0.7, top_p=0.8))
-    for kw in runs:
-        kw |= dict(batch_size=2, window=2, threshold=0.0)
-        eager = generate(model, generator=gen(1), **kw)
-        same_generation(dynamo_run(model, 1, **kw), eager)
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("--compile: dynamo's graph limit (2 a shape")
-
-
-@no_gpu
-def test_a_second_compiled_run_on_cuda_replays_every_call_and_records_nothing(monkeypatch):
-    """CUDA graphs (inductor's "reduce-overhead"), counted as gpu_check counts them: one token
-    a call, so one set size (n = 1), one graph recorded by run 1 (its call 2; call 1 warms up);
-    run 2, new draws, compiles and records none and replays every compiled call; no graph
-    skipped or split (cudagraph_or_error: a skip would raise)."""
-    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
-    model = tiny_model().to("cuda")
-    kw = dict(batch_size=2, window=3, threshold=math.inf, top_p=0.9, compile=True)
-    counts = gpu_check.graph_counts(functools.partial(generate, model, **kw))
-    assert counts["captures_run1"] == 1
-    assert counts["captures_run2"] == counts["graphs_run2"] == 0
-    assert counts["replays_run2"] == counts["calls_run2"] - 1  # the first call runs eager
-    for name in ("cudagraph_skips", "cudagraph_partitions"):
-        assert counts[f"{name}_run1"] == counts[f"{name}_run2"] == 0
 
 
 def fed_sizes(monkeypatch):
@@ -2900,6 +2733,174 @@ def test_an_export_stopped_part_way_leaves_the_folder_as_it_was(
         setdiff.save_released(export_model(), WORDPIECE, folder)
     assert os.listdir(tmp_path) == ["out"] * empty_before  # no temporary folder beside it
     assert not empty_before or os.listdir(folder) == []
+
+
+# ---- running: the compiled sampler, its static state and graphs -----------------------------
+# torch.compile with inductor costs 15-30 s a capture on a CPU: two cases (three captures)
+# cover greedy and sampled, prompt and infill, one row and three, sets of one and of two.
+COMPILED = {  # temperature, start, rows, window, tau
+    "greedy-prompt-batch-1": (0.0, "prompt", 1, 3, math.inf),
+    "sampled-infill-batch-3-w2-tau-0.3": (1.0, "infill", 3, 2, 0.3),
+}
+
+
+@on_devices
+@table("temperature,start,rows,window,threshold", COMPILED)
+def test_a_compiled_sampler_draws_the_eager_tokens(
+    temperature, start, rows, window, threshold, device
+):
+    """On a GPU too: there each compiled call is a CUDA graph, replayed."""
+    model = tiny_model().to(device)
+    inputs, _, _ = start_rows(model.cfg, start)
+    inputs = on_device({k: v[:rows] for k, v in inputs.items()}, device)
+    kw = dict(window=window, threshold=threshold, temperature=temperature)
+    eager = generate(model, **inputs, **kw, generator=gen(3))
+    graphs = dynamo_graphs()
+    compiled = generate(model, **inputs, **kw, generator=gen(3), compile=True)
+    assert dynamo_graphs() > graphs  # compiled, not eager against eager
+    same_generation(compiled, eager)
+
+
+def dynamo_graphs():
+    """Graphs dynamo compiled so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def dynamo_run(model, seed=0, **kw):
+    """A run compiled by dynamo alone (backend "eager": no code generation, fast on a CPU)."""
+    return generate(model, generator=gen(seed), compile="eager", **kw)
+
+
+SETS = dict(batch_size=2, window=3, threshold=0.3)  # sets of 1 to 3 tokens
+
+
+# a second run of the same switches: new values of every number a run takes, a new seed
+NEW_VALUES = dict(threshold=2.0, temperature=0.5, top_p=0.8, repetition_penalty=1.3)
+
+
+def test_a_compiled_run_compiles_a_graph_a_set_size():
+    """One graph for each set size that a later call feeds, read from an eager run's reveal
+    calls (the same draws): the largest set of a call is the next call's n."""
+    out = generate(tiny_model(), **SETS, generator=gen(0))
+    graphs = dynamo_graphs()
+    dynamo_run(tiny_model(), **SETS)
+    sets = largest_sets(out)
+    assert dynamo_graphs() - graphs == len(set(sets[:-1].tolist())) > 1
+
+
+def test_a_second_run_of_the_same_switches_compiles_nothing():
+    """One token a call (tau > 1) in every run, so that each feeds the same set size."""
+    model = tiny_model()
+    first = dict(threshold=math.inf, temperature=1.0, top_p=0.9, repetition_penalty=1.1)
+    dynamo_run(model, **SETS | first)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        dynamo_run(model, seed=1, **SETS | NEW_VALUES)
+        dynamo_run(model, seed=2, **SETS | first)
+
+
+def state_addresses(model):
+    """data_ptr of every tensor of the model's sampler states, KV cache included."""
+    addresses = {}
+    for shape, run in setdiff.SAMPLER_RUNS[model].items():
+        for holder in (run, run.cache):
+            for name, t in vars(holder).items():
+                if torch.is_tensor(t):
+                    addresses[shape, name] = t.data_ptr()
+    return addresses
+
+
+def test_a_shapes_state_keeps_its_addresses_across_runs():
+    """Runs of one shape (B = 2, C = 24) with a new prompt, seed and settings each."""
+    model = tiny_model()
+    dynamo_run(model, prompt=[65, 66], **SETS)
+    addresses = state_addresses(model)
+    dynamo_run(model, seed=1, prompt=[67] * 9, **SETS | NEW_VALUES)
+    dynamo_run(model, seed=2, prompt=[68] * 4, **SETS, temperature=0)
+    assert state_addresses(model) == addresses
+    names = {name for _, name in addresses}
+    assert {"x", "uniforms", "threshold", "k", "v"} <= names  # the cache's, allocated late
+
+
+def test_a_compiled_call_asks_inductor_for_cuda_graphs_and_counts_its_own_graphs(monkeypatch):
+    """Inductor alone takes "reduce-overhead" (CUDA graphs); every compile keeps its own count
+    of graphs, up to the limit given (a CPU cannot capture: the arguments are the proof)."""
+    spy = mock.Mock()
+    monkeypatch.setattr(torch, "compile", spy)
+    for backend in ("inductor", "eager"):
+        setdiff.compiled(setdiff.sampler_call, backend, 12)
+    modes = [call.kwargs.get("mode") for call in spy.call_args_list]
+    assert modes == ["reduce-overhead", None]
+    for call in spy.call_args_list:
+        assert call.kwargs["isolate_recompiles"] and call.kwargs["recompile_limit"] == 12
+
+
+def test_a_runs_settings_are_its_numbers_exactly():
+    """tau, temperature, top-p and penalty as 0-d tensors: the same numbers as the floats."""
+    model = tiny_model(dtype=torch.float64)
+    kw = dict(threshold=0.3, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+    generate(model, **kw)
+    (run,) = setdiff.SAMPLER_RUNS[model].values()
+    settings = [run.threshold, run.temperature, run.top_p, run.penalty]
+    assert [t.item() for t in settings] == list(kw.values())
+
+
+def test_a_model_keeps_the_state_of_its_last_8_shapes():
+    """Batch sizes 1 to 9 (9 shapes): the first one's state goes, the others are kept."""
+    model = tiny_model()
+    for B in range(1, 10):
+        generate(model, batch_size=B, max_new_tokens=2)
+    kept = [shape[0] for shape in setdiff.SAMPLER_RUNS[model]]
+    assert kept == list(range(2, 10))
+
+
+VARIED = [(B, new, w) for B in (1, 3) for new in (6, 23) for w in (1, 2)]  # 4 shapes
+
+
+def test_200_varied_compiled_runs_draw_the_eager_tokens():
+    """One process, one model (one layer: dynamo traces it faster): batch sizes, lengths,
+    windows, tau, temperatures and top-p drawn; at most 4 shapes x 3 set sizes x greedy or not
+    graphs, compiled by the first runs."""
+    model = tiny_model(n_layer=1)
+    draw = random.Random(0)
+    for seed in range(200):
+        B, new, w = draw.choice(VARIED)
+        tau = draw.choice([0.0, 0.2, 0.5, math.inf])
+        kw = dict(batch_size=B, max_new_tokens=new, window=w, threshold=tau)
+        kw |= dict(temperature=draw.choice([0.0, 0.7, 1.0]), top_p=draw.uniform(0.5, 1))
+        eager = generate(model, generator=gen(seed), **kw)
+        same_generation(dynamo_run(model, seed, **kw), eager)
+
+
+def test_past_its_graph_limit_a_compiled_run_goes_eager_saying_so_once(monkeypatch, capsys):
+    """With no switch counted, window 2 allows 2 graphs: a greedy run of sets of 2, a sampled
+    one, then one with top-p needs a third: it and later runs run eager, said once."""
+    monkeypatch.setattr(setdiff, "SWITCHES", 0)
+    model = tiny_model()
+    runs = [dict(temperature=0.0), dict(temperature=1.0), dict(top_p=0.9)]
+    runs.append(dict(temperature=0.7, top_p=0.8))
+    for kw in runs:
+        kw |= dict(batch_size=2, window=2, threshold=0.0)
+        eager = generate(model, generator=gen(1), **kw)
+        same_generation(dynamo_run(model, 1, **kw), eager)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("--compile: dynamo's graph limit (2 a shape")
+
+
+@no_gpu
+def test_a_second_compiled_run_on_cuda_replays_every_call_and_records_nothing(monkeypatch):
+    """CUDA graphs (inductor's "reduce-overhead"), counted as gpu_check counts them: one token
+    a call, so one set size (n = 1), one graph recorded by run 1 (its call 2; call 1 warms up);
+    run 2, new draws, compiles and records none and replays every compiled call; no graph
+    skipped or split (cudagraph_or_error: a skip would raise)."""
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    model = tiny_model().to("cuda")
+    kw = dict(batch_size=2, window=3, threshold=math.inf, top_p=0.9, compile=True)
+    counts = gpu_check.graph_counts(functools.partial(generate, model, **kw))
+    assert counts["captures_run1"] == 1
+    assert counts["captures_run2"] == counts["graphs_run2"] == 0
+    assert counts["replays_run2"] == counts["calls_run2"] - 1  # the first call runs eager
+    for name in ("cudagraph_skips", "cudagraph_partitions"):
+        assert counts[f"{name}_run1"] == counts[f"{name}_run2"] == 0
 
 
 # ---- text -> rows ---------------------------------------------------------------------------
@@ -5550,16 +5551,14 @@ def test_pip_installs_setdiff_and_the_two_scripts():
 
 
 def test_the_quick_tier_is_every_test_of_the_method_sections():
-    """`pytest -m method` (conftest.py) collects each test defined before the checkpoint tests
-    but the compiled sampler's, and none after: here read from the file's syntax tree."""
+    """`pytest -m method` (conftest.py) collects each test defined before the checkpoint tests,
+    and none after: here read from the file's syntax tree."""
     source = Path(__file__).read_text()
     banner = source.index("\n# ---- checkpoints")
     end = source.count("\n", 0, banner) + 1  # the banner's line, 1-based
     defs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
     tests = [n for n in defs if n.name.startswith("test_")]
-    want = {n.name for n in tests if n.lineno < end} - {
-        "test_a_compiled_sampler_draws_the_eager_tokens"
-    }
+    want = {n.name for n in tests if n.lineno < end}
     r = python("-m", "pytest", "--collect-only", "-q", "-m", "method", "test_setdiff.py")
     ids = [line for line in r.stdout.splitlines() if "::" in line]
     assert {i.split("::")[1].split("[")[0] for i in ids} == want
