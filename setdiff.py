@@ -1704,11 +1704,11 @@ def autocast_dtype(where: torch.device, dtype="auto", training=False) -> tuple:
         return getattr(torch, dtype), "requested with --dtype"
     if where.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16, "the GPU supports bf16 (the paper trains with bf16)"
-    flag = ""
-    if where.type == "cpu" and training:
-        flag = native_bf16(cpu_info())
-    if flag:
+    flag = native_bf16(cpu_info()) if where.type == "cpu" else ""
+    if flag and training:
         return torch.bfloat16, f"training on a CPU with native bf16: {flag}"
+    if flag:  # sample.py, --eval, the benches: their own reason
+        return torch.float32, f"outside training: bf16 ({flag}) changes outputs, no faster"
     return torch.float32, "bf16 is not known to be faster: experiments/train_bench.py"
 
 
