@@ -1769,6 +1769,8 @@ def autocast(device: torch.device, dtype: torch.dtype):
 # setting of the four switches of SamplerRun: at most 16 min(w, C), its recompile_limit. Past
 # it, or past dynamo's cap of 256 graphs for sampler_call in a process (a uniform-order model's
 # w = L can reach it), that shape and window run eager, with the same tokens, said in one line.
+# NOTE: one generate() at a time per model: two threads sampling one model at once would share a
+# shape's tensors (a server samples from one thread, or from a copy of the model per thread)
 SAMPLER_RUNS = weakref.WeakKeyDictionary()  # model -> {shape: SamplerRun}
 SHAPES_KEPT = 8  # shapes a model keeps state for: the oldest goes (a long-running server)
 SWITCHES = 4  # greedy, top-p, penalty, stop at EOS: Python values a compiled graph reads
